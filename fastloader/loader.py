@@ -1,0 +1,350 @@
+"""fastloader.DataLoader: torch's DataLoader with persistent workers, seeding and epoch state."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader as TorchDataLoader
+from torch.utils.data import DistributedSampler, IterableDataset
+
+from fastloader._iterators import SingleProcessIter, WorkerPoolIter
+from fastloader.samplers import EpochShuffleSampler
+from fastloader.seeding import resolve_seed
+from fastloader.stats import LoaderStats
+
+_STATE_VERSION = 1
+
+
+def resolve_num_workers(num_workers: int | str) -> int:
+    """Return ``num_workers``, or a worker count from the CPUs this process may use for "auto".
+
+    "auto" leaves one CPU to the training process and shares the rest between the processes of
+    this node (``LOCAL_WORLD_SIZE``, as set by torchrun).
+
+    Raises:
+        ValueError: for a negative count or a string other than "auto".
+        TypeError: for anything else that is not an int.
+    """
+    if isinstance(num_workers, str):
+        if num_workers != "auto":
+            raise ValueError(f'num_workers must be an int or "auto", got {num_workers!r}')
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        local_processes = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        return max(1, (cpus or 1) // local_processes - 1)
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int):
+        raise TypeError(
+            f'num_workers must be an int or "auto", got {type(num_workers).__name__}: '
+            f"{num_workers!r}"
+        )
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be non-negative, got {num_workers}")
+    return num_workers
+
+
+class DataLoader(TorchDataLoader):
+    """A drop-in ``torch.utils.data.DataLoader`` that keeps its workers and seeds every sample.
+
+    Takes every argument of torch's DataLoader with the same meaning, and these differences:
+
+    - ``persistent_workers`` defaults to True when ``num_workers > 0``; workers start once and
+      serve every epoch, even if something resets ``loader._iterator`` or an epoch is left early.
+    - While ``dataset[i]`` runs in epoch ``e``, ``random``, ``numpy.random`` and torch's default
+      generator are seeded from ``(seed, e, i)``: the same seed gives the same batches for any
+      ``num_workers``, and after resuming. ``shuffle=True`` draws each epoch's order from
+      ``(seed, e)``, so workers can load the next epoch while this one finishes.
+    - ``loader.epoch`` is the current epoch; samplers with ``set_epoch`` get it before each one.
+    - ``state_dict()``/``load_state_dict()`` resume exactly in the middle of an epoch.
+
+    Keyword-only additions (each stored as an attribute of the same name):
+
+    Args:
+        num_workers: as torch's, or "auto" for a count from the CPUs this process may use.
+        seed: seed of the sampling order and of every sample's RNGs. None draws one from
+            ``generator`` (or torch's default generator) at construction, so
+            ``torch.manual_seed``/Lightning's ``seed_everything`` make runs repeatable. The
+            attribute holds the seed in use.
+        distributed: shard the dataset across the ranks of the initialised
+            ``torch.distributed`` process group, like ``DistributedSampler``.
+        device: if set ("cuda", "cuda:1", a torch.device, "cpu"), batches are yielded on that
+            device, copied from pinned memory on a side stream ahead of use.
+        device_prefetch: how many batches are copied to the device ahead (default 2).
+        device_transform: a callable applied to each batch on the device (for example
+            ``fastloader.transforms.Normalize``).
+
+    Raises:
+        ValueError, TypeError: for invalid argument values, naming the argument.
+        RuntimeError: for ``device="cuda"`` without CUDA, or ``distributed=True`` without an
+            initialised process group.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        num_workers: int | str = 0,
+        collate_fn: Callable | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool | None = None,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        seed: int | None = None,
+        distributed: bool = False,
+        device: str | torch.device | None = None,
+        device_prefetch: int = 2,
+        device_transform: Callable[[Any], Any] | None = None,
+    ) -> None:
+        num_workers = resolve_num_workers(num_workers)
+        if persistent_workers is None:
+            persistent_workers = num_workers > 0
+        seed = resolve_seed(seed, generator)
+        resolved_device = _resolve_device(device, device_prefetch)
+        if resolved_device is not None and resolved_device.type == "cuda":
+            pin_memory = True
+        is_map_style = not isinstance(dataset, IterableDataset)
+
+        if distributed:
+            sampler = _distributed_sampler(dataset, shuffle, sampler, batch_sampler, seed, drop_last)
+            shuffle = None
+        elif shuffle and is_map_style and sampler is None and batch_sampler is None:
+            sampler = EpochShuffleSampler(dataset, seed)
+            shuffle = None
+
+        super().__init__(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            drop_last=drop_last,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            generator=generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            in_order=in_order,
+        )
+        self.seed = seed
+        self.distributed = distributed
+        self.device = device
+        self.device_prefetch = device_prefetch
+        self.device_transform = device_transform
+        self.stats = LoaderStats()
+        self.epoch = 0
+        self._epoch_started = False  # whether self.epoch has started (else it is next)
+        self._consumed = 0  # batches of self.epoch handed to the user
+        self._epoch_complete = False
+        self._resume_skip = 0
+        self._resolved_device = resolved_device
+        self._pool: WorkerPoolIter | None = None
+
+    # -- epochs -------------------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration epoch ``epoch`` (samplers get it via their ``set_epoch``)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
+        self.epoch = epoch
+        self._epoch_started = False
+        self._resume_skip = 0
+
+    def _next_epoch(self) -> tuple[int, int]:
+        if self._epoch_started:
+            self.epoch += 1
+            self._resume_skip = 0
+        skip, self._resume_skip = self._resume_skip, 0
+        self._epoch_started = True
+        self._consumed = skip
+        self._epoch_complete = False
+        return self.epoch, skip
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch, skip = self._next_epoch()
+        self.stats.start_epoch(epoch)
+        if self.num_workers == 0:
+            source = SingleProcessIter(self, epoch, skip)
+        elif not self.persistent_workers:
+            source = WorkerPoolIter(self, epoch, skip)
+            self.stats.record_worker_startup(source.startup_s)
+        elif self._pool is None:
+            source = self._pool = WorkerPoolIter(self, epoch, skip)
+            self.stats.record_worker_startup(source.startup_s)
+        else:
+            source = self._pool
+            source.begin_epoch(self, epoch, skip)
+        self._iterator = source
+        return _EpochIterator(self, source)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """PIDs of the running worker processes (empty when none are running)."""
+        pool = self._pool
+        if pool is None or pool._shutdown:
+            return []
+        return pool.worker_pids
+
+    # -- lifetime -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the worker processes. The loader can still be iterated (workers restart)."""
+        pool, self._pool = self._pool, None
+        self._iterator = None
+        if pool is not None:
+            pool.shutdown()
+
+    def __enter__(self) -> DataLoader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- resume -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader is: small and JSON-able (seed, epoch, batches consumed)."""
+        return {
+            "fastloader_state_version": _STATE_VERSION,
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "epoch_started": self._epoch_started,
+            "batches_consumed": self._consumed if self._epoch_started else 0,
+            "epoch_complete": self._epoch_complete,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``: the next iteration yields the batches that were still due.
+
+        Raises:
+            ValueError: if ``state`` is not a state of this loader class or is malformed.
+        """
+        _validate_state(state)
+        self.seed = state["seed"]
+        for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
+            if isinstance(sampler, (EpochShuffleSampler, DistributedSampler)):
+                sampler.seed = state["seed"]
+        self.close()  # running workers hold the old seed
+        epoch, consumed = state["epoch"], state["batches_consumed"]
+        if not state["epoch_started"]:
+            consumed = 0
+        elif state["epoch_complete"]:
+            epoch, consumed = epoch + 1, 0
+        self.epoch = epoch
+        self._epoch_started = False
+        self._resume_skip = consumed
+        self._consumed = consumed
+        self._epoch_complete = False
+
+
+class _EpochIterator:
+    """What ``iter(loader)`` returns: one epoch, with stats, resume counts and device copies."""
+
+    def __init__(self, loader: DataLoader, source: Iterator[Any]) -> None:
+        self._loader = loader
+        self._source = source
+        self._batches: Iterator[Any] = source
+        if loader._resolved_device is not None:
+            from fastloader.device import DevicePrefetcher
+
+            prefetcher = DevicePrefetcher(
+                _Once(source),
+                loader._resolved_device,
+                depth=loader.device_prefetch,
+                transform=loader.device_transform,
+            )
+            self._batches = iter(prefetcher)
+
+    def __iter__(self) -> _EpochIterator:
+        return self
+
+    def __next__(self) -> Any:
+        loader = self._loader
+        started = time.perf_counter()
+        try:
+            batch = next(self._batches)
+        except StopIteration:
+            loader._epoch_complete = True
+            loader.stats.end_epoch()
+            raise
+        loader.stats.record_batch(time.perf_counter() - started, batch)
+        loader._consumed += 1
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+
+class _Once:
+    """An iterable whose ``iter()`` returns one given iterator (for the device prefetcher)."""
+
+    def __init__(self, iterator: Iterator[Any]) -> None:
+        self._iterator = iterator
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._iterator
+
+
+def _resolve_device(device: Any, device_prefetch: Any) -> torch.device | None:
+    if isinstance(device_prefetch, bool) or not isinstance(device_prefetch, int):
+        raise TypeError(f"device_prefetch must be an int, got {device_prefetch!r}")
+    if device_prefetch < 1:
+        raise ValueError(f"device_prefetch must be at least 1, got {device_prefetch}")
+    if device is None:
+        return None
+    from fastloader.device import resolve_device
+
+    return resolve_device(device)
+
+
+def _distributed_sampler(
+    dataset: Any, shuffle: Any, sampler: Any, batch_sampler: Any, seed: int, drop_last: bool
+) -> DistributedSampler:
+    if isinstance(sampler, DistributedSampler):
+        return sampler
+    if sampler is not None or batch_sampler is not None:
+        raise ValueError("distributed=True chooses the sampler: do not pass sampler/batch_sampler")
+    if isinstance(dataset, IterableDataset):
+        raise ValueError("distributed=True needs a map-style dataset, got an IterableDataset")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "distributed=True needs an initialised torch.distributed process group "
+            "(call torch.distributed.init_process_group first, or run under torchrun)"
+        )
+    return DistributedSampler(
+        dataset, shuffle=bool(shuffle), seed=seed & (2**63 - 1), drop_last=drop_last
+    )
+
+
+def _validate_state(state: Any) -> None:
+    if not isinstance(state, dict) or "fastloader_state_version" not in state:
+        raise ValueError("load_state_dict expects a dict made by fastloader.DataLoader.state_dict()")
+    version = state["fastloader_state_version"]
+    if version != _STATE_VERSION:
+        raise ValueError(f"unsupported fastloader state version {version!r}")
+    for key in ("seed", "epoch", "batches_consumed"):
+        value = state.get(key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"state[{key!r}] must be an int, got {value!r}")
+    if state["epoch"] < 0 or state["batches_consumed"] < 0:
+        raise ValueError("state['epoch'] and state['batches_consumed'] must be non-negative")
+    for key in ("epoch_started", "epoch_complete"):
+        if not isinstance(state.get(key), bool):
+            raise ValueError(f"state[{key!r}] must be a bool, got {state.get(key)!r}")
