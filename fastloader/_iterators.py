@@ -269,8 +269,10 @@ class WorkerPoolIter(_SeededDatasetMixin, _MultiProcessingDataLoaderIter):
         )
 
     def _fill(self) -> None:
+        # Tasks sent but not yet returned, including results that arrived out of order: torch
+        # sends a new task only when one is returned, so this stays within its limit.
         limit = self._prefetch_factor * self._num_workers
-        while self._tasks_outstanding < limit:
+        while self._send_idx - self._rcvd_idx < limit:
             sent = self._send_idx
             self._try_put_index()
             if self._send_idx == sent:

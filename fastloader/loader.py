@@ -180,6 +180,14 @@ class DataLoader(TorchDataLoader):
     def __iter__(self) -> Iterator[Any]:
         epoch, skip = self._next_epoch()
         self.stats.start_epoch(epoch)
+        # torch draws a worker base seed from the global generator for every new iterator;
+        # samples are seeded from (seed, epoch, index) instead, so keep the user's stream intact.
+        with torch.random.fork_rng(devices=[]):
+            source = self._epoch_source(epoch, skip)
+        self._iterator = source
+        return _EpochIterator(self, source)
+
+    def _epoch_source(self, epoch: int, skip: int) -> Iterator[Any]:
         if self.num_workers == 0:
             source = SingleProcessIter(self, epoch, skip)
         elif not self.persistent_workers:
@@ -191,8 +199,7 @@ class DataLoader(TorchDataLoader):
         else:
             source = self._pool
             source.begin_epoch(self, epoch, skip)
-        self._iterator = source
-        return _EpochIterator(self, source)
+        return source
 
     @property
     def worker_pids(self) -> list[int]:
