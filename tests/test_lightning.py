@@ -71,3 +71,44 @@ def test_lightning_rebuilds_it_with_an_injected_distributed_sampler():
     indices = sorted(int(i) for values, _ in rebuilt for i in values[:, 0])
     assert indices == expected and len(indices) == 8
     rebuilt.close()
+
+
+class _IndexModule(lightning.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        values, _ = batch
+        self.seen.append(values[:, 0].long().tolist())
+        return self.layer(values.float()).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class _ResumableData(lightning.LightningDataModule):
+    def train_dataloader(self):
+        return DataLoader(RandomDraws(24), batch_size=4, shuffle=True, num_workers=1, seed=5)
+
+
+class _CheckpointAt(lightning.Callback):
+    def __init__(self, step, path):
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+def test_lightning_resume_from_mid_epoch_checkpoint_sees_the_remaining_samples(tmp_path):
+    checkpoint = tmp_path / "mid.ckpt"
+    full = _IndexModule()
+    _trainer(max_epochs=2, callbacks=[_CheckpointAt(8, checkpoint)]).fit(
+        full, datamodule=_ResumableData()
+    )  # 6 batches per epoch: the checkpoint is 2 batches into epoch 1
+    resumed = _IndexModule()
+    _trainer(max_epochs=2).fit(resumed, datamodule=_ResumableData(), ckpt_path=checkpoint)
+    assert len(full.seen) == 12
+    assert resumed.seen == full.seen[8:]
