@@ -1,0 +1,213 @@
+"""A GPU training step fed by each way of getting batches onto the device.
+
+The same step (normalize uint8 224x224 images on the device, a small conv net, cross-entropy,
+backward, SGD) runs on:
+
+- ``synthetic``: one batch already on the device, reused: the upper bound;
+- ``prefetcher``: ``DevicePrefetcher`` (side-stream copies, Normalize on the side stream) over a
+  torch DataLoader with ``pin_memory=True``;
+- ``fastloader``: ``fastloader.DataLoader(..., device="cuda", device_transform=Normalize)``;
+- ``torch_pin_cuda``: torch's DataLoader with ``pin_memory=True`` and ``.cuda(non_blocking=True)``
+  in the loop, as most training scripts do.
+
+Steps/s and the ratio of each to ``synthetic`` are reported (the goal is >= 0.95 where the
+CPU side keeps up: the data here is in memory, so it does). Without CUDA the comparison is
+skipped. Run alone: ``python -m benchmarks.gpu_step [tiny|quick|full]``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader as TorchDataLoader
+from torch.utils.data import Dataset
+
+from fastloader.device import DevicePrefetcher
+from fastloader.transforms import Normalize
+
+SIZES = {
+    #        batch, image side, warm-up steps, timed steps
+    "tiny": (16, 64, 3, 10),
+    "quick": (128, 224, 10, 60),
+    "full": (256, 224, 20, 200),
+}
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+CLASSES = 1000
+SKIPPED = {"comparison": "gpu_step", "skipped": "no CUDA device", "rows": [], "ratios": {}}
+
+
+class InMemoryImages(Dataset):
+    """``n`` samples drawn from a small pool of random uint8 CHW images (a copy per sample)."""
+
+    def __init__(self, n: int, side: int, pool: int = 64) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.n = n
+        self.images = torch.randint(0, 256, (pool, 3, side, side), dtype=torch.uint8,
+                                    generator=generator)  # fmt: skip
+        self.labels = torch.randint(0, CLASSES, (n,), generator=generator)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.images[index % len(self.images)].clone(), int(self.labels[index])
+
+
+def _model(device: torch.device) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, stride=2, padding=1), nn.ReLU(inplace=True),
+        nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.ReLU(inplace=True),
+        nn.Conv2d(64, 128, 3, stride=2, padding=1), nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, CLASSES),
+    ).to(device, memory_format=torch.channels_last)  # fmt: skip
+
+
+def _trainer(device: torch.device) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    model = _model(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step(images: torch.Tensor, labels: torch.Tensor) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(images), labels).backward()
+        optimizer.step()
+
+    return step
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _steps_per_s(
+    batches: Iterable[Any],
+    prepare: Callable[[Any], tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    warmup: int,
+    steps: int,
+) -> float:
+    """Time ``steps`` training steps after ``warmup`` ones, over one pass of ``batches``."""
+    step = _trainer(device)
+    started = 0.0
+    done = 0
+    for batch in batches:
+        if done == warmup:
+            _sync(device)
+            started = time.perf_counter()
+        step(*prepare(batch))
+        done += 1
+        if done == warmup + steps:
+            break
+    _sync(device)
+    if done < warmup + steps:
+        raise RuntimeError(f"the loader ran out after {done} of {warmup + steps} batches")
+    return steps / (time.perf_counter() - started)
+
+
+def _compare(size: str, device: torch.device) -> dict:
+    batch, side, warmup, steps = SIZES[size]
+    workers = max(1, min(8, (os.cpu_count() or 2) - 2))
+    dataset = InMemoryImages(batch * (warmup + steps), side)
+    normalize = Normalize(MEAN, STD, channels_last=True)
+    pin = device.type == "cuda"
+
+    def torch_loader() -> TorchDataLoader:
+        return TorchDataLoader(dataset, batch_size=batch, shuffle=True, num_workers=workers,
+                               pin_memory=pin, drop_last=True)  # fmt: skip
+
+    def already_there(pair: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return pair
+
+    def copy_in_loop(pair: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        images, labels = pair
+        images = images.to(device, non_blocking=True)
+        return normalize(images), labels.to(device, non_blocking=True)
+
+    def normalize_in_loop(pair: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return normalize(pair[0]), pair[1]
+
+    images, labels = next(iter(torch_loader()))
+    resident = (images.to(device), labels.to(device))
+    runs: dict[str, Callable[[], float]] = {
+        "synthetic": lambda: _steps_per_s(
+            (resident for _ in range(warmup + steps)), normalize_in_loop, device, warmup, steps
+        ),
+        "prefetcher": lambda: _steps_per_s(
+            DevicePrefetcher(torch_loader(), device, depth=2, transform=normalize),
+            already_there, device, warmup, steps,
+        ),  # fmt: skip
+        "torch_pin_cuda": lambda: _steps_per_s(
+            torch_loader(), copy_in_loop, device, warmup, steps
+        ),
+    }
+    fastloader_loader = _fastloader_loader(dataset, batch, workers, device, normalize)
+    if fastloader_loader is not None:
+        runs["fastloader"] = lambda: _steps_per_s(
+            fastloader_loader, already_there, device, warmup, steps
+        )
+
+    rows = []
+    for name, measure in runs.items():
+        rate = measure()
+        rows.append({"loader": name, "steps_per_s": round(rate, 2),
+                     "samples_per_s": round(rate * batch, 1)})  # fmt: skip
+    notes = ["uint8 images normalized on the device; goal: ratios >= 0.95"]
+    if fastloader_loader is not None:
+        notes.append(f"fastloader stats: {fastloader_loader.stats.summary()}")
+        fastloader_loader.close()
+    reference = rows[0]["steps_per_s"]
+    for row in rows:
+        row["vs_synthetic"] = round(row["steps_per_s"] / reference, 3)
+    return {
+        "comparison": "gpu_step",
+        "config": {"batch_size": batch, "image": [3, side, side], "num_workers": workers,
+                   "warmup_steps": warmup, "timed_steps": steps, "device": str(device)},
+        "rows": rows,
+        "ratios": {f"{row['loader']}_vs_synthetic": row["vs_synthetic"] for row in rows[1:]},
+        "notes": notes,
+    }  # fmt: skip
+
+
+def _fastloader_loader(
+    dataset: Dataset, batch: int, workers: int, device: torch.device, normalize: Normalize
+) -> Any:
+    """``fastloader.DataLoader`` copying to ``device``, or None if it cannot (yet)."""
+    try:
+        from fastloader import DataLoader
+
+        return DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=workers,
+                          drop_last=True, device=device, device_transform=normalize)  # fmt: skip
+    except (ImportError, TypeError):
+        return None
+
+
+def run(size: str, workdir: Path) -> dict:
+    """Run the GPU-step comparison at ``size`` ("tiny", "quick", "full").
+
+    ``workdir`` is unused (the data is generated in memory); it is accepted for the runner.
+    Without CUDA, returns a result marked ``skipped`` with no rows.
+    """
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
+    if not torch.cuda.is_available():
+        return dict(SKIPPED)
+    return _compare(size, torch.device("cuda", torch.cuda.current_device()))
+
+
+if __name__ == "__main__":
+    import json
+
+    result = run(sys.argv[1] if len(sys.argv) > 1 else "quick", Path("."))
+    if result.get("skipped"):
+        print(json.dumps(result))
+    for row in result["rows"]:
+        print(row)
+    print(json.dumps(result["ratios"], indent=2))

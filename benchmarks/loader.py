@@ -1,0 +1,223 @@
+"""fastloader.DataLoader vs torch's DataLoader (default and persistent_workers=True).
+
+Measured in one run on the same in-memory JPEG photos (decode + resize per sample, as an image
+dataset does), with a consumer that spends a fixed time per batch like a training step:
+
+- time to the first batch of each epoch (the epoch-boundary stall),
+- steady throughput (samples/s after the first batch of each epoch),
+- a dataset that pays a start-up cost in every new worker (like opening a large file),
+- the per-sample cost of fastloader's seeding.
+
+Run alone: ``python -m benchmarks.loader``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader as TorchDataLoader
+from torch.utils.data import Dataset
+
+from fastloader import DataLoader
+from fastloader.seeding import sample_seed, seed_rngs
+
+SIZES = {
+    #        samples, epochs, batch, step_s, startup_s, seeding samples
+    "tiny": (64, 3, 16, 0.001, 0.05, 2_000),
+    "quick": (384, 5, 32, 0.004, 0.5, 20_000),
+    "full": (1536, 6, 32, 0.004, 1.0, 100_000),
+}
+
+
+def _photo_jpegs(count: int, seed: int = 0) -> list[bytes]:
+    from skimage import data
+
+    photos = [data.astronaut(), data.coffee(), data.chelsea(), data.rocket()]
+    rng = np.random.default_rng(seed)
+    jpegs = []
+    for i in range(count):
+        photo = photos[i % len(photos)]
+        top = rng.integers(0, photo.shape[0] - 256)
+        left = rng.integers(0, photo.shape[1] - 256)
+        buffer = io.BytesIO()
+        Image.fromarray(photo[top : top + 256, left : left + 256]).save(buffer, "JPEG")
+        jpegs.append(buffer.getvalue())
+    return jpegs
+
+
+class JpegPhotos(Dataset):
+    """Decodes a JPEG, random-crops and flips it (uses the RNG), returns a uint8 CHW tensor."""
+
+    def __init__(self, jpegs: list[bytes], startup_s: float = 0.0) -> None:
+        self.jpegs = jpegs
+        self.startup_s = startup_s
+        self._opened_in: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.jpegs)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if self.startup_s and self._opened_in != os.getpid():
+            time.sleep(self.startup_s)  # like opening a large file in each new process
+            self._opened_in = os.getpid()
+        image = Image.open(io.BytesIO(self.jpegs[index])).convert("RGB")
+        left, top = np.random.randint(0, 33, size=2)
+        image = image.crop((left, top, left + 224, top + 224))
+        array = np.asarray(image)
+        if np.random.rand() < 0.5:
+            array = array[:, ::-1]
+        return torch.from_numpy(array.copy()).permute(2, 0, 1), index % 10
+
+
+def _loaders(dataset: Dataset, batch: int) -> dict[str, Any]:
+    common = dict(batch_size=batch, shuffle=True, num_workers=2)
+    return {
+        "torch": TorchDataLoader(dataset, **common),
+        "torch_persistent": TorchDataLoader(dataset, persistent_workers=True, **common),
+        "fastloader": DataLoader(dataset, seed=0, **common),
+    }
+
+
+def _time_epochs(loader: Any, epochs: int, step_s: float) -> dict[str, list[float]]:
+    first_batch, steady = [], []
+    for _ in range(epochs):
+        started = time.perf_counter()
+        iterator = iter(loader)
+        images, _ = next(iterator)
+        first = time.perf_counter()
+        first_batch.append(first - started)
+        samples = 0
+        for images, _ in iterator:
+            time.sleep(step_s)  # the training step
+            samples += len(images)
+        steady.append(samples / (time.perf_counter() - first))
+    return {"first_batch_s": first_batch, "steady_samples_per_s": steady}
+
+
+def _epoch_comparison(jpegs: list[bytes], epochs: int, batch: int, step_s: float) -> dict:
+    results = {}
+    for name, loader in _loaders(JpegPhotos(jpegs), batch).items():
+        results[name] = _time_epochs(loader, epochs, step_s)
+        if hasattr(loader, "close"):
+            loader.close()
+    return results
+
+
+def _startup_comparison(jpegs: list[bytes], batch: int, startup_s: float) -> dict:
+    results = {}
+    for name, loader in _loaders(JpegPhotos(jpegs, startup_s=startup_s), batch).items():
+        results[name] = _time_epochs(loader, 3, 0.0)["first_batch_s"]
+        if hasattr(loader, "close"):
+            loader.close()
+    return results
+
+
+class _Indices(Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def _seeding_overhead_us(samples: int, repeats: int = 5) -> dict[str, float]:
+    """Per-sample cost of seeding: loop with vs without it, and the seeding call alone."""
+    dataset = _Indices(samples)
+    with_seeding, without = [], []
+    for _ in range(repeats):
+        for loader, times in (
+            (TorchDataLoader(dataset, batch_size=256), without),
+            (DataLoader(dataset, batch_size=256, seed=0), with_seeding),
+        ):
+            started = time.perf_counter()
+            for _ in loader:
+                pass
+            times.append((time.perf_counter() - started) / samples * 1e6)
+    calls = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for index in range(samples // 4):
+            seed_rngs(sample_seed(0, 1, index))
+        calls.append((time.perf_counter() - started) / (samples // 4) * 1e6)
+    return {
+        "loader_overhead_us_per_sample": statistics.median(with_seeding)
+        - statistics.median(without),
+        "seed_call_us": statistics.median(calls),
+    }
+
+
+def run(size: str, workdir: Path) -> dict:
+    """Run the loader comparison at ``size`` ("tiny", "quick", "full")."""
+    samples, epochs, batch, step_s, startup_s, seeding_samples = SIZES[size]
+    jpegs = _photo_jpegs(samples)
+    epochs_result = _epoch_comparison(jpegs, epochs, batch, step_s)
+    startup = _startup_comparison(jpegs[: batch * 4], batch, startup_s)
+    seeding = _seeding_overhead_us(seeding_samples)
+
+    def later_first_batch(name: str) -> float:
+        return statistics.median(epochs_result[name]["first_batch_s"][1:])
+
+    def steady(name: str) -> float:
+        return statistics.median(epochs_result[name]["steady_samples_per_s"][1:])
+
+    rows = []
+    for name, result in epochs_result.items():
+        rows.append(
+            {
+                "loader": name,
+                "first_batch_ms_epoch1": round(result["first_batch_s"][0] * 1e3, 1),
+                "first_batch_ms_later_median": round(later_first_batch(name) * 1e3, 2),
+                "steady_samples_per_s": round(steady(name), 1),
+                "startup_dataset_epoch2_first_batch_ms": round(startup[name][1] * 1e3, 1),
+            }
+        )
+    batch_interval = batch / steady("fastloader")
+    return {
+        "comparison": "loader",
+        "config": {
+            "samples": samples, "epochs": epochs, "batch_size": batch, "num_workers": 2,
+            "step_ms": step_s * 1e3, "startup_s": startup_s,
+        },
+        "rows": rows,
+        "epochs": epochs_result,
+        "startup_first_batch_s": startup,
+        "seeding": seeding,
+        "ratios": {
+            "steady_throughput_vs_torch": steady("fastloader") / steady("torch"),
+            "steady_throughput_vs_torch_persistent": steady("fastloader")
+            / steady("torch_persistent"),
+            "epoch_start_speedup_vs_torch_persistent": later_first_batch("torch_persistent")
+            / later_first_batch("fastloader"),
+            "epoch_start_speedup_vs_torch": later_first_batch("torch")
+            / later_first_batch("fastloader"),
+            "epoch_start_in_batch_intervals": later_first_batch("fastloader") / batch_interval,
+            "startup_dataset_epoch2_speedup_vs_torch": startup["torch"][1]
+            / startup["fastloader"][1],
+            "seeding_us_per_sample": max(seeding["seed_call_us"], 1e-3),
+        },
+        "notes": [
+            "2 workers, shuffle=True; consumer sleeps step_ms per batch like a training step",
+            "first batch of later epochs: median over epochs 2..N",
+        ],
+    }
+
+
+if __name__ == "__main__":
+    import json
+
+    result = run("quick", Path("."))
+    for row in result["rows"]:
+        print(row)
+    print(json.dumps(result["ratios"], indent=2))
+    print(json.dumps(result["seeding"], indent=2))

@@ -1,0 +1,338 @@
+"""Batches onto the device: pinned host memory, side-stream copies, device transforms.
+
+Everything here runs in the main (training) process. ``DevicePrefetcher`` wraps any iterable of
+host batches and yields them already on the device, copied ``depth`` batches ahead on a side
+stream so that the copies overlap the training step. See NOTE [ Side-stream copy and
+record_stream ] for how the two streams are kept in order.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
+from typing import Any
+
+import torch
+
+__all__ = ["DevicePrefetcher", "move_to_device", "pin", "resolve_device"]
+
+_SUPPORTED_TYPES = ("cpu", "cuda")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device | None:
+    """Check a ``device`` argument and turn it into a ``torch.device``.
+
+    ``"cuda"`` without an index stays index-less: it means the current CUDA device at the time
+    batches are copied, as it does for ``tensor.to("cuda")``.
+
+    Args:
+        device: ``None``, ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``.
+
+    Returns:
+        The ``torch.device``, or ``None`` when ``device`` is ``None``.
+
+    Raises:
+        TypeError: if ``device`` is not a str, a ``torch.device`` or ``None``.
+        ValueError: if the string is not a device, or names a device type other than cpu/cuda.
+        RuntimeError: for a CUDA device when CUDA is not available, or an index past the
+            number of visible CUDA devices.
+    """
+    if device is None:
+        return None
+    if isinstance(device, str):
+        try:
+            resolved = torch.device(device)
+        except RuntimeError as exc:
+            raise ValueError(
+                f"device={device!r} is not a device; expected 'cpu', 'cuda' or 'cuda:N'"
+            ) from exc
+    elif isinstance(device, torch.device):
+        resolved = device
+    else:
+        raise TypeError(
+            f"device must be a str, a torch.device or None, got {type(device).__name__}"
+        )
+    if resolved.type not in _SUPPORTED_TYPES:
+        raise ValueError(
+            f"device={str(resolved)!r} is not supported; expected 'cpu', 'cuda' or 'cuda:N'"
+        )
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"device={str(resolved)!r} but torch.cuda.is_available() is False; "
+                "install a CUDA build of torch on a machine with a GPU, or pass device=None "
+                "(or 'cpu') to keep batches on the host"
+            )
+        count = torch.cuda.device_count()
+        if resolved.index is not None and resolved.index >= count:
+            raise RuntimeError(
+                f"device={str(resolved)!r} but only {count} CUDA device(s) are visible "
+                f"(valid indices 0..{count - 1}; see CUDA_VISIBLE_DEVICES)"
+            )
+    return resolved
+
+
+def move_to_device(batch: Any, device: str | torch.device, non_blocking: bool = False) -> Any:
+    """Move every tensor in ``batch`` to ``device``, keeping the batch's structure.
+
+    Handles what torch's default collate produces and a little more: tensors inside tuples,
+    lists, namedtuples, mappings (their type kept when it can be) and dataclass instances
+    (rebuilt with ``dataclasses.replace``). Other leaves (strings, numbers, ``None``, NumPy
+    arrays) are passed through unchanged.
+
+    Args:
+        batch: a tensor or a nested structure holding tensors.
+        device: where the tensors go.
+        non_blocking: passed to ``Tensor.to``; asynchronous only from pinned host memory.
+
+    Returns:
+        A batch of the same structure whose tensors are on ``device``.
+    """
+    return _map_tensors(batch, lambda t: t.to(device, non_blocking=non_blocking))
+
+
+def pin(batch: Any) -> Any:
+    """Copy every CPU tensor in ``batch`` into pinned (page-locked) host memory.
+
+    Tensors already pinned, or not on the CPU, are kept as they are. Without CUDA there is no
+    pinned memory: the batch is returned unchanged, as torch's DataLoader does with
+    ``pin_memory=True`` on a machine without a GPU.
+
+    Args:
+        batch: a tensor or a nested structure holding tensors (see ``move_to_device``).
+
+    Returns:
+        A batch of the same structure whose CPU tensors are pinned.
+    """
+    if not torch.cuda.is_available():
+        return batch
+    return _map_tensors(batch, _pin_tensor)
+
+
+def _pin_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.device.type != "cpu" or tensor.is_pinned():
+        return tensor
+    return tensor.pin_memory()
+
+
+def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply ``fn`` to every tensor leaf of ``batch``, rebuilding its containers."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, (str, bytes)):
+        return batch
+    if isinstance(batch, tuple):
+        items = [_map_tensors(item, fn) for item in batch]
+        if hasattr(batch, "_fields"):  # namedtuple
+            return type(batch)(*items)
+        return _rebuild(batch, items, tuple)
+    if isinstance(batch, list):
+        return _rebuild(batch, [_map_tensors(item, fn) for item in batch], list)
+    if isinstance(batch, Mapping):
+        if isinstance(batch, MutableMapping):
+            # A shallow copy keeps the mapping's type and its extras (a defaultdict's factory).
+            try:
+                clone = copy.copy(batch)
+                for key, value in batch.items():
+                    clone[key] = _map_tensors(value, fn)
+                return clone
+            except TypeError:
+                pass
+        mapped = {key: _map_tensors(value, fn) for key, value in batch.items()}
+        return _rebuild(batch, mapped, dict)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        changes = {
+            field.name: _map_tensors(getattr(batch, field.name), fn)
+            for field in dataclasses.fields(batch)
+            if field.init
+        }
+        return dataclasses.replace(batch, **changes)
+    return batch
+
+
+def _rebuild(original: Any, items: Any, fallback: type) -> Any:
+    if type(original) is fallback:
+        return fallback(items)
+    try:
+        return type(original)(items)
+    except TypeError:
+        return fallback(items)
+
+
+def _tensor_leaves(batch: Any) -> list[torch.Tensor]:
+    leaves: list[torch.Tensor] = []
+
+    def collect(tensor: torch.Tensor) -> torch.Tensor:
+        leaves.append(tensor)
+        return tensor
+
+    _map_tensors(batch, collect)
+    return leaves
+
+
+# NOTE [ Side-stream copy and record_stream ]
+#
+# The training step runs on the consumer's current stream (usually the default stream). If the
+# host-to-device copy ran there too, each step would wait for its own input copy. So the
+# prefetcher copies on a dedicated side stream, `depth` batches ahead:
+#
+#   1. Pull a host batch, pin it (a non_blocking copy is only asynchronous from page-locked
+#      memory; from pageable memory it silently synchronizes), and issue `.to(device,
+#      non_blocking=True)` plus the device transform under `torch.cuda.stream(side)`. Then
+#      record an event on the side stream. The host thread does not wait for any of it.
+#      The side stream does NOT wait on the consumer stream first: the consumer has usually
+#      queued a whole step of kernels already, and waiting for them would serialize the copy
+#      behind the step, which is exactly the overlap we want.
+#   2. When the batch is handed out, the consumer stream waits on that event
+#      (`current_stream.wait_event(ev)`): kernels queued after this point by the training step
+#      start only once the copy and transform are done. The host still does not block.
+#   3. The batch's device memory was allocated while the side stream was current, so the
+#      caching allocator considers it the side stream's. When the consumer drops the batch,
+#      the allocator would hand the block to the next side-stream allocation at once, while
+#      consumer kernels reading it may still be queued: the next copy would overwrite a batch
+#      still in use. `tensor.record_stream(current_stream)` on every output tensor tells the
+#      allocator to wait for the consumer's pending work before reusing the block.
+#
+# The pinned host batch is kept referenced until its event has been waited on, so its memory
+# is not reused while the asynchronous copy still reads from it. (Torch's pinned-memory
+# allocator also records the copy, but only for memory it allocated itself.)
+#
+# Device constants a transform creates (for example Normalize's mean and std) must be ready
+# before the side stream reads them; see Normalize._constants in fastloader/transforms.py.
+#
+# Batches whose tensors are already on the CUDA device pass through the copy unchanged and are
+# then read by the transform on the side stream; the producer of such tensors must have
+# finished writing them (the prefetcher is meant for host batches).
+
+
+class DevicePrefetcher:
+    """Yield the batches of an iterable already on a device, copied ahead of use.
+
+    On CUDA, host batches are pinned (when not already), copied with ``non_blocking=True`` on
+    a side stream ``depth`` batches ahead, and ``transform`` runs on that stream too; each
+    batch is ready for the consumer's current stream when it is handed out. See NOTE
+    [ Side-stream copy and record_stream ]. On the CPU, batches are only passed through
+    ``transform``, with the same ordering.
+
+    When batch ``k`` is handed out, batches up to ``k + depth`` have been pulled from the
+    iterable and their copies issued, so the prefetcher keeps at most ``depth`` batches on the
+    device besides the ones the consumer holds. Each ``iter(prefetcher)`` starts a new pass
+    over ``iter(iterable)``, so one prefetcher serves every epoch.
+
+    Args:
+        iterable: any iterable of batches (tensors or structures of tensors), for example a
+            DataLoader.
+        device: the target device (see ``resolve_device``).
+        depth: how many batches are copied ahead; at least 1.
+        transform: a callable applied to each batch on the device (on the side stream for
+            CUDA), for example ``fastloader.transforms.Normalize``.
+
+    Raises:
+        TypeError: if ``depth`` is not an int or ``device`` has a wrong type.
+        ValueError: if ``depth`` is less than 1, or ``device`` is ``None`` or not a device.
+        RuntimeError: for a CUDA device without CUDA.
+    """
+
+    def __init__(
+        self,
+        iterable: Iterable[Any],
+        device: str | torch.device,
+        depth: int = 2,
+        transform: Callable[[Any], Any] | None = None,
+    ) -> None:
+        if isinstance(depth, bool) or not isinstance(depth, int):
+            raise TypeError(f"depth must be an int, got {depth!r}")
+        if depth < 1:
+            raise ValueError(f"depth must be at least 1, got {depth}")
+        if transform is not None and not callable(transform):
+            raise TypeError(f"transform must be callable or None, got {transform!r}")
+        resolved = resolve_device(device)
+        if resolved is None:
+            raise ValueError("device must be given (for example 'cuda'), got None")
+        self.iterable = iterable
+        self.device = resolved
+        self.depth = depth
+        self.transform = transform
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def __iter__(self) -> Iterator[Any]:
+        source = iter(self.iterable)
+        if self.device.type != "cuda":
+            return _PrefetchIterator(source, self.device, self.depth, self.transform, None)
+        device = self.device
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        return _PrefetchIterator(source, device, self.depth, self.transform, stream)
+
+    def __len__(self) -> int:
+        return len(self.iterable)  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return (
+            f"DevicePrefetcher({self.iterable!r}, device={str(self.device)!r}, "
+            f"depth={self.depth}, transform={self.transform!r})"
+        )
+
+
+class _PrefetchIterator:
+    """One pass of a DevicePrefetcher: a queue of batches whose copies have been issued."""
+
+    def __init__(
+        self,
+        source: Iterator[Any],
+        device: torch.device,
+        depth: int,
+        transform: Callable[[Any], Any] | None,
+        stream: torch.cuda.Stream | None,
+    ) -> None:
+        self._source: Iterator[Any] | None = source
+        self._device = device
+        self._depth = depth
+        self._transform = transform
+        self._stream = stream
+        # (device batch, ready event or None, host batch kept alive until the event is waited)
+        self._queue: deque[tuple[Any, Any, Any]] = deque()
+
+    def __iter__(self) -> _PrefetchIterator:
+        return self
+
+    def __next__(self) -> Any:
+        queue = self._queue
+        while self._source is not None and len(queue) <= self._depth:
+            try:
+                host = next(self._source)
+            except StopIteration:
+                self._source = None
+                break
+            queue.append(self._issue(host))
+        if not queue:
+            raise StopIteration
+        batch, ready, _host = queue.popleft()
+        if ready is not None:
+            consumer = torch.cuda.current_stream(self._device)
+            consumer.wait_event(ready)
+            for tensor in _tensor_leaves(batch):
+                if tensor.is_cuda:
+                    tensor.record_stream(consumer)
+        return batch
+
+    def _issue(self, host: Any) -> tuple[Any, Any, Any]:
+        """Start moving one host batch to the device (and transforming it)."""
+        if self._stream is None:
+            batch = move_to_device(host, self._device)
+            if self._transform is not None:
+                batch = self._transform(batch)
+            return batch, None, None
+        host = pin(host)
+        with torch.cuda.stream(self._stream):
+            batch = move_to_device(host, self._device, non_blocking=True)
+            if self._transform is not None:
+                batch = self._transform(batch)
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        return batch, ready, host
