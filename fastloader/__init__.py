@@ -1,6 +1,7 @@
 """fastloader: a drop-in, faster torch DataLoader with packed LMDB/HDF5 datasets."""
 
 from fastloader.device import DevicePrefetcher, move_to_device, pin, resolve_device
+from fastloader.formats import HDF5Dataset, LMDBDataset, PackError, open_pack, read_metadata
 from fastloader.loader import DataLoader
 from fastloader.stats import EpochStats, LoaderStats, timed_iter
 from fastloader.transforms import Normalize
@@ -9,10 +10,15 @@ __all__ = [
     "DataLoader",
     "DevicePrefetcher",
     "EpochStats",
+    "HDF5Dataset",
+    "LMDBDataset",
     "LoaderStats",
     "Normalize",
+    "PackError",
     "move_to_device",
+    "open_pack",
     "pin",
+    "read_metadata",
     "resolve_device",
     "timed_iter",
 ]

@@ -1,0 +1,106 @@
+"""Packed storage: one record codec and metadata schema, an LMDB and an HDF5 backend."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fastloader.formats.base import DECODE_MODES, PackedDataset, decode_image
+from fastloader.formats.hdf5 import HDF5Dataset, HDF5Writer
+from fastloader.formats.lmdb import LMDBDataset, LMDBWriter
+from fastloader.formats.records import (
+    FORMAT_VERSION,
+    STORE_MODES,
+    PackError,
+    Record,
+    RecordKind,
+    decode_record,
+    encode_record,
+)
+
+__all__ = [
+    "DECODE_MODES",
+    "FORMAT_VERSION",
+    "FORMATS",
+    "STORE_MODES",
+    "HDF5Dataset",
+    "HDF5Writer",
+    "LMDBDataset",
+    "LMDBWriter",
+    "PackError",
+    "PackedDataset",
+    "Record",
+    "RecordKind",
+    "decode_image",
+    "decode_record",
+    "encode_record",
+    "format_from_suffix",
+    "open_pack",
+    "open_writer",
+    "read_metadata",
+]
+
+FORMATS = {"lmdb": (LMDBDataset, LMDBWriter), "hdf5": (HDF5Dataset, HDF5Writer)}
+_SUFFIXES = {".lmdb": "lmdb", ".h5": "hdf5", ".hdf5": "hdf5"}
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def format_from_suffix(path: str | os.PathLike) -> str:
+    """Return "lmdb" for a ``.lmdb`` path, "hdf5" for ``.h5``/``.hdf5``.
+
+    Raises:
+        ValueError: naming the path for any other suffix.
+    """
+    suffix = Path(path).suffix.lower()
+    if suffix not in _SUFFIXES:
+        raise ValueError(
+            f"{path}: cannot tell the format from the suffix {suffix!r}: use .lmdb, .h5 or "
+            f".hdf5, or name the format"
+        )
+    return _SUFFIXES[suffix]
+
+
+def open_writer(
+    path: str | os.PathLike,
+    format: str,
+    *,
+    store: str,
+    classes: Sequence[str],
+    info: dict | None = None,
+) -> LMDBWriter | HDF5Writer:
+    """Return a writer of ``format`` ("lmdb" or "hdf5") for exactly ``path``.
+
+    Raises:
+        ValueError: for an unknown format or store mode.
+        FileExistsError: if ``path`` exists.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {tuple(FORMATS)}, got {format!r}")
+    if store not in STORE_MODES:
+        raise ValueError(f"store must be one of {STORE_MODES}, got {store!r}")
+    return FORMATS[format][1](path, store=store, classes=classes, info=info)
+
+
+def open_pack(path: str | os.PathLike, **kwargs: Any) -> LMDBDataset | HDF5Dataset:
+    """Open a pack of either format, recognised by its content; kwargs go to the dataset.
+
+    Raises:
+        FileNotFoundError: if ``path`` does not exist.
+        PackError: if it is not a complete, readable fastloader pack.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such packed file")
+    if path.is_dir():
+        raise PackError(f"{path}: is a directory, not a packed file")
+    with open(path, "rb") as file:
+        is_hdf5 = file.read(len(_HDF5_SIGNATURE)) == _HDF5_SIGNATURE
+    return (HDF5Dataset if is_hdf5 else LMDBDataset)(path, **kwargs)
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """Return the checked metadata of the pack at ``path`` (see ``open_pack`` for errors)."""
+    dataset = open_pack(path)
+    return dict(dataset.metadata)

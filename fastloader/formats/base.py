@@ -1,0 +1,208 @@
+"""PackedDataset: what every packed-file reader shares (lazy, fork-safe opening and decoding).
+
+See NOTE [ Fork-safe readers ].
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+from fastloader.formats.records import PackError, Record, RecordKind, decode_record
+
+DECODE_MODES = ("pil", "tensor", "numpy", "bytes")
+
+# NOTE [ Fork-safe readers ]
+# An LMDB environment or HDF5 file opened in one process must not be used by another: a forked
+# worker that inherits the parent's handle shares its file offsets, locks and caches, which
+# crashes or silently corrupts reads. So a dataset holds no open handle when it is created or
+# pickled: it opens its file on first read in the process that reads, remembers that process's
+# pid, and opens a new handle when it finds itself in a different process (a fork). The handle is
+# never part of the pickled state, so spawn and forkserver workers open their own too.
+
+
+class PackedDataset(Dataset):
+    """Base of the packed-file readers: an ImageFolder-like map-style dataset over one file.
+
+    Subclasses implement ``_open``, ``_load_index`` and ``_read_each``.
+    """
+
+    backend = ""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        transform: Callable | None = None,
+        target_transform: Callable | None = None,
+        decode: str = "pil",
+    ) -> None:
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
+        self.path = Path(path)
+        self.transform = transform
+        self.target_transform = target_transform
+        self.decode = decode
+        if not self.path.exists():
+            raise FileNotFoundError(f"{self.path}: no such packed file")
+        if self.path.is_dir():
+            raise PackError(f"{self.path}: is a directory, not a packed file")
+        self._handle: Any = None
+        self._pid: int | None = None
+        handle = self._open()
+        try:
+            self.metadata, self.targets = self._load_index(handle)
+        finally:
+            self._close_handle(handle)
+        self.classes: list[str] = list(self.metadata["classes"])
+        self.class_to_idx = {name: index for index, name in enumerate(self.classes)}
+        self.store: str = self.metadata["store"]
+
+    # --- backend interface -------------------------------------------------------------------
+    def _open(self) -> Any:
+        """Open the file read-only; raise PackError naming it if it cannot be a pack."""
+        raise NotImplementedError
+
+    def _load_index(self, handle: Any) -> tuple[dict, np.ndarray]:
+        """Return the checked metadata and the int64 labels."""
+        raise NotImplementedError
+
+    def _read_each(self, handle: Any, indices: Sequence[int], use: Callable) -> list:
+        """Return ``[use(i, buffer) for i in indices]``, all in one read transaction."""
+        raise NotImplementedError
+
+    def _close_handle(self, handle: Any) -> None:
+        handle.close()
+
+    # --- Dataset -------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
+        """Read and decode a whole batch in one read transaction."""
+        positions = [self._position(index) for index in indices]
+        return self._read_each(self._handle_here(), positions, self._sample)
+
+    def read_record(self, index: int) -> Record:
+        """Return record ``index`` undecoded (its payload copied out of the file)."""
+
+        def copy(position: int, buffer: Any) -> Record:
+            record = self._record(position, buffer)
+            return record._replace(payload=memoryview(bytes(record.payload)))
+
+        return self._read_each(self._handle_here(), [self._position(index)], copy)[0]
+
+    def close(self) -> None:
+        """Close the file in this process (it reopens on the next read)."""
+        if self._handle is not None and self._pid == os.getpid():
+            self._close_handle(self._handle)
+        self._handle = None
+        self._pid = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_handle"] = None
+        state["_pid"] = None
+        return state
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finaliser
+            pass
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({str(self.path)!r}, {len(self)} samples, "
+            f"{len(self.classes)} classes, store={self.store!r}, decode={self.decode!r})"
+        )
+
+    # --- helpers -------------------------------------------------------------------------------
+    def _handle_here(self) -> Any:
+        pid = os.getpid()
+        if self._handle is None or self._pid != pid:
+            # In a forked child the parent's handle is dropped, not closed: see the NOTE.
+            self._handle = self._open()
+            self._pid = pid
+        return self._handle
+
+    def _position(self, index: int) -> int:
+        count = len(self.targets)
+        if isinstance(index, torch.Tensor | np.integer):
+            index = int(index)
+        if not isinstance(index, int):
+            raise TypeError(f"index must be an int, got {type(index).__name__}")
+        position = index + count if index < 0 else index
+        if not 0 <= position < count:
+            raise IndexError(f"index {index} out of range for {count} samples in {self.path}")
+        return position
+
+    def _record(self, position: int, buffer: Any) -> Record:
+        if buffer is None:
+            raise PackError(f"{self.path}: record {position} is missing (corrupt pack)")
+        record = decode_record(buffer, where=f"{self.path} record {position}")
+        if record.label != self.targets[position]:
+            raise PackError(f"{self.path}: record {position} disagrees with the label index")
+        return record
+
+    def _sample(self, position: int, buffer: Any) -> tuple[Any, Any]:
+        record = self._record(position, buffer)
+        image = decode_image(record, self.decode, where=f"{self.path} record {position}")
+        label: Any = record.label
+        if self.transform is not None:
+            image = self.transform(image)
+        if self.target_transform is not None:
+            label = self.target_transform(label)
+        return image, label
+
+
+def decode_image(record: Record, mode: str, where: str = "record") -> Any:
+    """Turn a record's payload into a PIL RGB image, a uint8 CHW tensor, a HWC array or bytes.
+
+    The result never refers to the file's memory, so it outlives the read transaction.
+
+    Raises:
+        PackError: naming ``where`` if an encoded payload is not a decodable image.
+    """
+    if mode == "bytes":
+        return bytes(record.payload)
+    if record.kind is RecordKind.RAW:
+        pixels = np.frombuffer(record.payload, dtype=np.uint8).reshape(record.shape)
+        if mode == "tensor":
+            return _chw_tensor(pixels)
+        pixels = pixels.copy()
+        if mode == "numpy":
+            return pixels
+        return Image.fromarray(pixels if pixels.shape[2] != 1 else pixels[:, :, 0])
+    with _decoding(where):
+        image = Image.open(io.BytesIO(record.payload))
+        image = image.convert("RGB")
+    if mode == "pil":
+        return image
+    if mode == "numpy":
+        return np.array(image)
+    return _chw_tensor(np.asarray(image))
+
+
+def _chw_tensor(pixels: np.ndarray) -> torch.Tensor:
+    # One copy, from the (read-only) HWC pixels straight into a writable CHW array.
+    return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
+
+
+@contextmanager
+def _decoding(where: str) -> Iterator[None]:
+    try:
+        yield
+    except (OSError, SyntaxError, ValueError) as error:  # what PIL raises for a bad image
+        raise PackError(f"{where}: stored image does not decode ({error})") from error
