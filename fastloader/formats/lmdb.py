@@ -126,7 +126,8 @@ class LMDBDataset(PackedDataset):
             raw_targets = txn.get(_TARGETS_KEY)
         if raw_targets is None or len(raw_targets) % 8:
             raise PackError(f"{self.path}: corrupt pack (label index missing or damaged)")
-        return metadata, check_targets(np.frombuffer(raw_targets, "<i8").copy(), metadata, self.path)
+        targets = np.frombuffer(raw_targets, "<i8").astype(np.int64)
+        return metadata, check_targets(targets, metadata, self.path)
 
     def _read_each(self, env: lmdb.Environment, indices: Sequence[int], use: Callable) -> list:
         # buffers=True: values are views into the memory map, valid inside the transaction.
@@ -187,7 +188,8 @@ class LMDBWriter:
         """Write the labels and metadata, sync and close: the pack is then complete."""
         store, classes, info = self._metadata_args
         metadata = make_metadata(self.backend, store, self.count, classes, info)
-        self._txn.put(_TARGETS_KEY, np.frombuffer(self._labels, dtype=np.int64).astype("<i8").tobytes())
+        labels = np.frombuffer(self._labels, dtype=np.int64).astype("<i8")
+        self._txn.put(_TARGETS_KEY, labels.tobytes())
         self._txn.put(_METADATA_KEY, dump_metadata(metadata))
         self._txn.commit()
         self._env.sync(True)
