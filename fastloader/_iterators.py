@@ -142,7 +142,9 @@ def _schedule_for(loader: Any, may_cross: bool) -> _EpochSchedule:
     samplers = []
     batch_sampler = loader.batch_sampler
     for sampler in (loader.sampler, batch_sampler, getattr(batch_sampler, "sampler", None)):
-        if callable(getattr(sampler, "set_epoch", None)) and all(sampler is not s for s in samplers):
+        if callable(getattr(sampler, "set_epoch", None)) and all(
+            sampler is not s for s in samplers
+        ):
             samplers.append(sampler)
     return _EpochSchedule(loader._index_sampler, set_epoch, may_cross)
 

@@ -118,7 +118,9 @@ class DataLoader(TorchDataLoader):
         is_map_style = not isinstance(dataset, IterableDataset)
 
         if distributed:
-            sampler = _distributed_sampler(dataset, shuffle, sampler, batch_sampler, seed, drop_last)
+            sampler = _distributed_sampler(
+                dataset, shuffle, sampler, batch_sampler, seed, drop_last
+            )
             shuffle = None
         elif shuffle and is_map_style and sampler is None and batch_sampler is None:
             sampler = EpochShuffleSampler(dataset, seed)
@@ -342,7 +344,9 @@ def _distributed_sampler(
 
 def _validate_state(state: Any) -> None:
     if not isinstance(state, dict) or "fastloader_state_version" not in state:
-        raise ValueError("load_state_dict expects a dict made by fastloader.DataLoader.state_dict()")
+        raise ValueError(
+            "load_state_dict expects a dict made by fastloader.DataLoader.state_dict()"
+        )
     version = state["fastloader_state_version"]
     if version != _STATE_VERSION:
         raise ValueError(f"unsupported fastloader state version {version!r}")

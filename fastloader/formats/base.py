@@ -27,7 +27,8 @@ DECODE_MODES = ("pil", "tensor", "numpy", "bytes")
 # crashes or silently corrupts reads. So a dataset holds no open handle when it is created or
 # pickled: it opens its file on first read in the process that reads, remembers that process's
 # pid, and opens a new handle when it finds itself in a different process (a fork). The handle is
-# never part of the pickled state, so spawn and forkserver workers open their own too.
+# never part of the pickled state, so spawn and forkserver workers open their own too. (LMDB
+# needs one more step: see _Environments in lmdb.py.)
 
 
 class PackedDataset(Dataset):
@@ -132,7 +133,6 @@ class PackedDataset(Dataset):
     def _handle_here(self) -> Any:
         pid = os.getpid()
         if self._handle is None or self._pid != pid:
-            # In a forked child the parent's handle is dropped, not closed: see the NOTE.
             self._handle = self._open()
             self._pid = pid
         return self._handle

@@ -113,7 +113,7 @@ class HDF5Writer:
     ) -> None:
         self.path = Path(path)
         self._metadata_args = (store, list(classes), dict(info or {}))
-        make_metadata(self.backend, store, 0, classes, info)  # fail early on bad arguments
+        dump_metadata(make_metadata(self.backend, store, 0, classes, info))  # fail early
         self._file = h5py.File(self.path, "x")  # "x" raises FileExistsError
         self._records = self._file.create_dataset(
             "records", shape=(0,), maxshape=(None,), dtype=np.uint8, chunks=(_CHUNK_BYTES,)

@@ -40,8 +40,10 @@ class _Environments:
     """Read-only environments shared by the datasets of one process, counted by users.
 
     py-lmdb refuses to open one file twice in a process, so two datasets over the same pack (a
-    dataset and its copy, train and a subset) share one environment. Entries made before a fork
-    belong to the parent and are dropped, never used or closed, in the child.
+    dataset and its copy, train and a subset) share one environment. An entry inherited through
+    a fork is never used in the child; it is closed there, which only unmaps the child's copy
+    (a read-only environment without a lock file has nothing else to release), so that py-lmdb
+    lets the child open the file again.
     """
 
     def __init__(self) -> None:
@@ -53,6 +55,8 @@ class _Environments:
         if entry is not None and entry[0] == pid:
             self._open[key] = (pid, entry[1], entry[2] + 1)
             return entry[1]
+        if entry is not None:
+            entry[1].close()
         env = _open_environment(path)
         self._open[key] = (pid, env, 1)
         return env
@@ -162,7 +166,7 @@ class LMDBWriter:
         if self.path.exists():
             raise FileExistsError(f"{self.path}: already exists")
         self._metadata_args = (store, list(classes), dict(info or {}))
-        make_metadata(self.backend, store, 0, classes, info)  # fail early on bad arguments
+        dump_metadata(make_metadata(self.backend, store, 0, classes, info))  # fail early
         self._env = lmdb.open(
             str(self.path), subdir=False, map_size=_MAP_SIZE, lock=False, sync=False, meminit=False
         )

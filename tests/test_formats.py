@@ -1,0 +1,297 @@
+"""Packed-file readers and writers: round trips, fork safety, and honest errors on bad files."""
+
+from __future__ import annotations
+
+import io
+import json
+import multiprocessing
+import pickle
+
+import h5py
+import lmdb
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from fastloader import DataLoader, HDF5Dataset, LMDBDataset, PackError, open_pack, read_metadata
+from fastloader.formats import (
+    RecordKind,
+    decode_record,
+    encode_record,
+    format_from_suffix,
+    open_writer,
+)
+
+FORMATS = {"lmdb": (".lmdb", LMDBDataset), "hdf5": (".h5", HDF5Dataset)}
+CLASSES = ["cat", "dog", "fish"]
+
+
+def _pixels(index: int) -> np.ndarray:
+    rng = np.random.default_rng(index)
+    return rng.integers(0, 256, size=(6 + index % 3, 8, 3), dtype=np.uint8)
+
+
+def _png(pixels: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def _write(path, fmt: str, store: str = "raw", count: int = 12, info=None) -> None:
+    with open_writer(path, fmt, store=store, classes=CLASSES, info=info) as writer:
+        for index in range(count):
+            label = index % len(CLASSES)
+            if store == "raw":
+                record = encode_record(_pixels(index), label, RecordKind.RAW)
+            else:
+                record = encode_record(_png(_pixels(index)), label, RecordKind.ENCODED)
+            writer.append(record, label)
+
+
+@pytest.fixture(params=sorted(FORMATS))
+def fmt(request):
+    return request.param
+
+
+@pytest.fixture
+def pack_path(tmp_path, fmt):
+    path = tmp_path / f"train{FORMATS[fmt][0]}"
+    _write(path, fmt, info={"source": "fixture"})
+    return path
+
+
+@pytest.mark.parametrize("store", ["raw", "encoded"])
+def test_every_decode_mode_returns_the_stored_pixels(tmp_path, fmt, store):
+    path = tmp_path / f"p{FORMATS[fmt][0]}"
+    _write(path, fmt, store=store)
+    for index in (0, 4, 11):
+        expected = _pixels(index)
+        image, label = FORMATS[fmt][1](path)[index]
+        assert isinstance(image, Image.Image) and image.mode == "RGB"
+        np.testing.assert_array_equal(np.asarray(image), expected)
+        assert label == index % 3
+        tensor, _ = FORMATS[fmt][1](path, decode="tensor")[index]
+        assert tensor.dtype == torch.uint8 and tensor.is_contiguous()
+        np.testing.assert_array_equal(tensor.permute(1, 2, 0).numpy(), expected)
+        array, _ = FORMATS[fmt][1](path, decode="numpy")[index]
+        assert array.flags.writeable
+        np.testing.assert_array_equal(array, expected)
+        payload, _ = FORMATS[fmt][1](path, decode="bytes")[index]
+        assert payload == (expected.tobytes() if store == "raw" else _png(expected))
+
+
+def test_dataset_looks_like_image_folder(pack_path, fmt):
+    dataset = open_pack(pack_path)
+    assert type(dataset) is FORMATS[fmt][1]
+    assert len(dataset) == 12
+    assert dataset.classes == CLASSES
+    assert dataset.class_to_idx == {"cat": 0, "dog": 1, "fish": 2}
+    assert isinstance(dataset.targets, np.ndarray) and dataset.targets.dtype == np.int64
+    assert dataset.targets.tolist() == [i % 3 for i in range(12)]
+    assert dataset.store == "raw"
+    assert read_metadata(pack_path)["info"] == {"source": "fixture"}
+    assert read_metadata(pack_path)["count"] == 12
+
+
+def test_transforms_and_batch_reads(pack_path, fmt):
+    dataset = FORMATS[fmt][1](
+        pack_path,
+        transform=lambda image: np.asarray(image).sum(),
+        target_transform=lambda label: CLASSES[label],
+    )
+    batch = dataset.__getitems__([5, 0, -1])
+    assert batch == [dataset[5], dataset[0], dataset[11]]
+    assert batch[0] == (int(_pixels(5).sum()), CLASSES[5 % 3])
+
+
+def test_bad_index_and_decode_mode_are_rejected(pack_path, fmt):
+    dataset = FORMATS[fmt][1](pack_path)
+    with pytest.raises(IndexError, match="index 12 out of range"):
+        dataset[12]
+    with pytest.raises(TypeError, match="index must be an int"):
+        dataset["3"]
+    assert dataset[torch.tensor(2)][1] == 2
+    with pytest.raises(ValueError, match="decode must be one of"):
+        FORMATS[fmt][1](pack_path, decode="jpeg")
+
+
+def test_pickled_dataset_holds_no_open_handle(pack_path, fmt):
+    dataset = FORMATS[fmt][1](pack_path)
+    dataset[0]
+    assert dataset._handle is not None
+    clone = pickle.loads(pickle.dumps(dataset))
+    assert clone._handle is None
+    np.testing.assert_array_equal(np.asarray(clone[3][0]), _pixels(3))
+
+
+def test_two_datasets_over_one_file_in_one_process(pack_path, fmt):
+    first, second = FORMATS[fmt][1](pack_path), FORMATS[fmt][1](pack_path)
+    first[0], second[1]
+    first.close()
+    assert second[2][1] == 2 and first[3][1] == 0
+
+
+def _pixel_sum(array: np.ndarray) -> int:
+    return int(array.sum())
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_workers_read_correctly_with_every_start_method(pack_path, fmt, method):
+    dataset = FORMATS[fmt][1](pack_path, decode="numpy", transform=_pixel_sum)
+    dataset[0]  # opened in the parent before the workers start: they must reopen
+    expected = [(int(_pixels(i).sum()), i % 3) for i in range(12)]
+    loader = DataLoader(
+        dataset,
+        batch_size=None,
+        num_workers=2,
+        multiprocessing_context=multiprocessing.get_context(method),
+    )
+    with loader:
+        for _ in range(2):
+            assert [(int(a), int(b)) for a, b in loader] == expected
+
+
+# --- bad files -------------------------------------------------------------------------------
+
+
+def test_missing_file_names_it(tmp_path, fmt):
+    path = tmp_path / f"absent{FORMATS[fmt][0]}"
+    with pytest.raises(FileNotFoundError, match="absent"):
+        FORMATS[fmt][1](path)
+    with pytest.raises(FileNotFoundError, match="absent"):
+        open_pack(path)
+
+
+def test_truncated_file_is_refused(pack_path, fmt):
+    data = pack_path.read_bytes()
+    pack_path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(PackError, match=f"{pack_path.name}.*(truncated|not a readable)"):
+        FORMATS[fmt][1](pack_path)
+
+
+def test_interrupted_write_never_opens_as_complete(tmp_path, fmt):
+    path = tmp_path / f"partial{FORMATS[fmt][0]}"
+    with pytest.raises(RuntimeError, match="stop"):
+        with open_writer(path, fmt, store="raw", classes=CLASSES) as writer:
+            writer.append(encode_record(_pixels(0), 0, RecordKind.RAW), 0)
+            raise RuntimeError("stop")
+    assert path.exists()
+    with pytest.raises(PackError, match="partial.*not a complete fastloader pack"):
+        open_pack(path)
+
+
+def test_foreign_files_are_refused(tmp_path):
+    foreign_lmdb = tmp_path / "other.lmdb"
+    env = lmdb.open(str(foreign_lmdb), subdir=False, lock=False)
+    with env.begin(write=True) as txn:
+        txn.put(b"0", pickle.dumps("not ours"))
+    env.close()
+    foreign_h5 = tmp_path / "other.h5"
+    with h5py.File(foreign_h5, "w") as file:
+        file["images"] = np.zeros((2, 3))
+    text = tmp_path / "notes.lmdb"
+    text.write_text("hello\n" * 2000)
+    for path in (foreign_lmdb, foreign_h5):
+        with pytest.raises(PackError, match=f"{path.name}: not a complete fastloader pack"):
+            open_pack(path)
+    with pytest.raises(PackError, match="notes.lmdb: not a readable LMDB file"):
+        open_pack(text)
+    with pytest.raises(PackError, match="is a directory"):
+        open_pack(tmp_path)
+
+
+def _rewrite_metadata(path, fmt, change) -> None:
+    if fmt == "lmdb":
+        env = lmdb.open(str(path), subdir=False, lock=False)
+        with env.begin(write=True) as txn:
+            metadata = json.loads(txn.get(b"__metadata__"))
+            txn.put(b"__metadata__", json.dumps(change(metadata)).encode())
+        env.close()
+    else:
+        with h5py.File(path, "r+") as file:
+            metadata = json.loads(file.attrs["fastloader"])
+            file.attrs["fastloader"] = json.dumps(change(metadata))
+
+
+def test_newer_format_version_is_refused(pack_path, fmt):
+    _rewrite_metadata(pack_path, fmt, lambda m: {**m, "version": 2})
+    with pytest.raises(PackError, match="newer fastloader \\(format version 2"):
+        open_pack(pack_path)
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        (lambda m: {**m, "format": "tfrecord"}, "foreign metadata"),
+        (lambda m: {**m, "count": 13}, "13 records|offsets do not fit"),
+        (lambda m: {**m, "classes": ["cat"]}, "outside the 1 classes"),
+        (lambda m: {**m, "store": "zip"}, "unknown store mode 'zip'"),
+    ],
+)
+def test_inconsistent_metadata_is_refused(pack_path, fmt, change, problem):
+    _rewrite_metadata(pack_path, fmt, change)
+    with pytest.raises(PackError, match=problem):
+        open_pack(pack_path)
+
+
+def test_corrupt_record_names_the_record(tmp_path):
+    path = tmp_path / "p.lmdb"
+    _write(path, "lmdb")
+    env = lmdb.open(str(path), subdir=False, lock=False)
+    with env.begin(write=True) as txn:
+        key = (4).to_bytes(8, "big")
+        txn.put(key, txn.get(key)[:-10])
+    env.close()
+    dataset = LMDBDataset(path)
+    assert dataset[3][1] == 0
+    with pytest.raises(PackError, match="p.lmdb record 4: truncated record"):
+        dataset[4]
+
+
+def test_undecodable_stored_image_names_the_record(tmp_path, fmt):
+    path = tmp_path / f"p{FORMATS[fmt][0]}"
+    with open_writer(path, fmt, store="encoded", classes=CLASSES) as writer:
+        writer.append(encode_record(b"not an image", 0, RecordKind.ENCODED), 0)
+    with pytest.raises(PackError, match="record 0: stored image does not decode"):
+        open_pack(path)[0]
+    assert open_pack(path, decode="bytes")[0] == (b"not an image", 0)
+
+
+# --- writer and codec ----------------------------------------------------------------------------
+
+
+def test_writer_refuses_existing_file_and_bad_arguments(pack_path, fmt, tmp_path):
+    with pytest.raises(FileExistsError):
+        open_writer(pack_path, fmt, store="raw", classes=CLASSES)
+    with pytest.raises(ValueError, match="store must be one of"):
+        open_writer(tmp_path / "x", fmt, store="png", classes=CLASSES)
+    with pytest.raises(ValueError, match="format must be one of"):
+        open_writer(tmp_path / "x", "zip", store="raw", classes=CLASSES)
+    with pytest.raises(TypeError):
+        open_writer(tmp_path / "y", fmt, store="raw", classes=CLASSES, info={"f": object()})
+
+
+def test_format_is_found_by_content_not_suffix(tmp_path):
+    path = tmp_path / "misnamed.lmdb"
+    _write(path, "hdf5")
+    assert type(open_pack(path)) is HDF5Dataset
+    assert format_from_suffix("a/b.LMDB") == "lmdb" and format_from_suffix("x.hdf5") == "hdf5"
+    with pytest.raises(ValueError, match="x.zip: cannot tell the format"):
+        format_from_suffix("x.zip")
+
+
+def test_record_codec_round_trip_and_errors():
+    pixels = _pixels(1)
+    record = decode_record(encode_record(pixels, 7, RecordKind.RAW))
+    assert (record.label, record.kind, record.shape) == (7, RecordKind.RAW, pixels.shape)
+    assert bytes(record.payload) == pixels.tobytes()
+    assert decode_record(encode_record(b"abc", -1, RecordKind.ENCODED)).shape is None
+    with pytest.raises(ValueError, match="does not match shape"):
+        encode_record(b"abc", 0, RecordKind.RAW, shape=(2, 2, 3))
+    with pytest.raises(ValueError, match="uint8 HWC"):
+        encode_record(pixels.astype(np.float32), 0, RecordKind.RAW)
+    with pytest.raises(PackError, match="not a fastloader record"):
+        decode_record(b"X" * 40, where="here")
+    with pytest.raises(PackError, match="here: truncated record"):
+        decode_record(b"FL", where="here")
