@@ -1,0 +1,124 @@
+"""Lightning helpers: a DataModule over packed files (imports ``lightning`` when imported).
+
+Example::
+
+    from fastloader.lightning import PackedDataModule
+
+    data = PackedDataModule("train.lmdb", val="val.lmdb", batch_size=256, train_transform=tf)
+    trainer.fit(model, datamodule=data)
+
+Under Lightning's DDP strategy nothing else is needed: Lightning rebuilds each loader with its
+own ``DistributedSampler`` (``fastloader.DataLoader`` keeps its extra arguments when rebuilt) and
+fastloader calls ``set_epoch`` on it every epoch. The loaders' ``state_dict`` goes into
+checkpoints, so a run resumed from a mid-epoch checkpoint continues with the same samples.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+
+from fastloader.formats import PackedDataset, open_pack, read_metadata
+from fastloader.loader import DataLoader
+
+PathLike = str | os.PathLike
+
+
+class PackedDataModule(pl.LightningDataModule):
+    """Train/val/test/predict ``fastloader.DataLoader``s over packs made by ``fastloader-pack``.
+
+    Args:
+        train, val, test, predict: paths of LMDB or HDF5 packs (any may be None).
+        batch_size: samples per batch for every loader.
+        num_workers: workers per loader (int, or "auto"). Each loader keeps its workers for the
+            whole run, so train and val workers both stay alive: size this accordingly.
+        train_transform: applied to training images; ``eval_transform`` to the others.
+        decode: how images are decoded ("pil", "tensor", "numpy"; see ``LMDBDataset``).
+        seed: seed of the training order and augmentations; None follows ``seed_everything``.
+        **loader_kwargs: any other ``fastloader.DataLoader`` argument (``pin_memory``,
+            ``drop_last``, ``collate_fn``...), given to every loader.
+
+    Raises:
+        ValueError: if no path is given.
+        FileNotFoundError, fastloader.PackError: when a pack is missing or not readable
+            (checked at construction, not after the first training epoch).
+    """
+
+    def __init__(
+        self,
+        train: PathLike | None = None,
+        val: PathLike | None = None,
+        test: PathLike | None = None,
+        predict: PathLike | None = None,
+        *,
+        batch_size: int = 32,
+        num_workers: int | str = "auto",
+        train_transform: Callable | None = None,
+        eval_transform: Callable | None = None,
+        decode: str = "pil",
+        seed: int | None = None,
+        **loader_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        self.paths = {"train": train, "val": val, "test": test, "predict": predict}
+        if not any(self.paths.values()):
+            raise ValueError("PackedDataModule needs at least one of train, val, test, predict")
+        for path in self.paths.values():
+            if path is not None:
+                read_metadata(path)
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.train_transform = train_transform
+        self.eval_transform = eval_transform
+        self.decode = decode
+        self.seed = seed
+        self.loader_kwargs = loader_kwargs
+        self._loaders: dict[str, DataLoader] = {}
+
+    @property
+    def classes(self) -> list[str]:
+        """Class names of the first pack given (train, else val, test, predict)."""
+        path = next(p for p in self.paths.values() if p is not None)
+        return list(read_metadata(path)["classes"])
+
+    def dataset(self, split: str) -> PackedDataset:
+        """Open the pack of ``split`` ("train", "val", "test" or "predict") with its transform."""
+        path = self.paths[split]
+        if path is None:
+            raise ValueError(f"PackedDataModule was given no {split} pack")
+        transform = self.train_transform if split == "train" else self.eval_transform
+        return open_pack(path, transform=transform, decode=self.decode)
+
+    def _loader(self, split: str) -> DataLoader:
+        # One loader per split for the whole run, so its workers start once.
+        if split not in self._loaders:
+            self._loaders[split] = DataLoader(
+                self.dataset(split),
+                batch_size=self.batch_size,
+                shuffle=split == "train",
+                num_workers=self.num_workers,
+                seed=self.seed,
+                **self.loader_kwargs,
+            )
+        return self._loaders[split]
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train")
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test")
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader("predict")
+
+    def teardown(self, stage: str) -> None:
+        """Stop every loader's workers when Lightning is done with the module."""
+        for loader in self._loaders.values():
+            loader.close()
+        self._loaders.clear()
