@@ -3,6 +3,7 @@
 from fastloader.device import DevicePrefetcher, move_to_device, pin, resolve_device
 from fastloader.formats import HDF5Dataset, LMDBDataset, PackError, open_pack, read_metadata
 from fastloader.loader import DataLoader
+from fastloader.pack import PackSummary, pack
 from fastloader.stats import EpochStats, LoaderStats, timed_iter
 from fastloader.transforms import Normalize
 
@@ -14,9 +15,11 @@ __all__ = [
     "LMDBDataset",
     "LoaderStats",
     "Normalize",
+    "PackSummary",
     "PackError",
     "move_to_device",
     "open_pack",
+    "pack",
     "pin",
     "read_metadata",
     "resolve_device",

@@ -24,6 +24,7 @@ Everything in this module except ``resolve_seed`` runs in the process that loads
 
 from __future__ import annotations
 
+import _random
 import operator
 import random
 import zlib
@@ -67,9 +68,16 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return _mix64(_mix64(seed & _MASK64 ^ 0x5EED) ^ (epoch & _MASK64)) >> 1
 
 
+# random.seed(int) is Random.seed (Python) around the C seeding; calling the C part directly
+# and resetting gauss_next as the wrapper does saves a tenth of the per-sample cost.
+_python_rng = random._inst
+_seed_python_rng = _random.Random.seed
+
+
 def seed_rngs(seed: int) -> None:
     """Seed ``random``, ``numpy.random`` (global) and torch's default CPU generator."""
-    random.seed(seed)
+    _seed_python_rng(_python_rng, seed)
+    _python_rng.gauss_next = None
     np.random.seed(seed & 0xFFFFFFFF)
     torch.default_generator.manual_seed(seed)
 

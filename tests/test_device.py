@@ -245,7 +245,7 @@ def test_cuda_prefetcher_batches_equal_the_host_batches():
     host = _image_batches(6)
     out = list(DevicePrefetcher(host, "cuda", depth=2))
     assert len(out) == 6
-    for (images, labels), (dev_images, dev_labels) in zip(host, out):
+    for (images, labels), (dev_images, dev_labels) in zip(host, out, strict=False):
         assert dev_images.is_cuda and dev_labels.is_cuda
         assert torch.equal(dev_images.cpu(), images) and torch.equal(dev_labels.cpu(), labels)
 
@@ -256,7 +256,7 @@ def test_cuda_prefetcher_transform_matches_the_cpu_transform():
     normalize = Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
     host = _image_batches(4, seed=1)
     out = list(DevicePrefetcher(host, "cuda", transform=normalize))
-    for batch, (dev_images, dev_labels) in zip(host, out):
+    for batch, (dev_images, dev_labels) in zip(host, out, strict=False):
         expected_images, expected_labels = normalize(batch)
         torch.testing.assert_close(dev_images.cpu(), expected_images)
         assert torch.equal(dev_labels.cpu(), expected_labels)

@@ -105,7 +105,7 @@ def test_workers_survive_early_break_and_next_epoch_is_complete():
     for epoch in (1, 2):
         batches = list(loader)
         assert len(batches) == len(ref_epochs[epoch])
-        assert all(torch.equal(a[0], b) for a, b in zip(batches, ref_epochs[epoch]))
+        assert all(torch.equal(a[0], b) for a, b in zip(batches, ref_epochs[epoch], strict=False))
         pids |= _pids(batches)
     assert len(pids) == 2  # the same two workers throughout
     loader.close()

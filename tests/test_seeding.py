@@ -27,7 +27,7 @@ def test_same_batches_for_any_worker_count_and_persistence(reference, num_worker
         RandomDraws(24), batch_size=5, shuffle=True, seed=11,
         num_workers=num_workers, persistent_workers=persistent,
     )
-    for ours, expected in zip(_epochs(loader), reference):
+    for ours, expected in zip(_epochs(loader), reference, strict=False):
         assert torch.equal(ours, expected)
     loader.close()
 
@@ -37,7 +37,7 @@ def test_same_batches_with_spawned_workers(reference):
         RandomDraws(24), batch_size=5, shuffle=True, seed=11, num_workers=2,
         multiprocessing_context="spawn",
     )
-    for ours, expected in zip(_epochs(loader), reference):
+    for ours, expected in zip(_epochs(loader), reference, strict=False):
         assert torch.equal(ours, expected)
     loader.close()
 
@@ -77,7 +77,7 @@ def test_torch_manual_seed_makes_default_seed_repeatable():
         loader = DataLoader(RandomDraws(12), batch_size=4, shuffle=True, num_workers=1)
         runs.append(_epochs(loader))
         loader.close()
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=False))
     torch.manual_seed(4321)
     other = DataLoader(RandomDraws(12), batch_size=4, shuffle=True)
     assert not torch.equal(_epochs(other)[0], runs[0][0])
@@ -113,7 +113,7 @@ def test_iterable_datasets_are_seeded_per_seed_epoch_and_worker():
     assert _stream_draws(again) == first  # same seed, same epoch
     assert first.keys() == second.keys() and first != second  # next epoch differs
     per_worker = {}
-    for (worker, position), draw in first.items():
+    for (worker, _position), draw in first.items():
         per_worker.setdefault(worker, []).append(draw)
     assert per_worker[0][0] != per_worker[1][0]  # workers do not repeat each other
     loader.close()
@@ -159,3 +159,20 @@ def test_main_process_loading_leaves_training_randomness_alone():
     without = training_draws(None)
     with_loader = training_draws(DataLoader(RandomDraws(3), batch_size=1, seed=1))
     assert with_loader == without
+
+
+def test_seed_rngs_equals_seeding_each_library_itself():
+    from fastloader.seeding import seed_rngs
+
+    def draws():
+        return (random.random(), random.gauss(0, 1), np.random.normal(), torch.randn(2).tolist())
+
+    seed = 2**63 + 12345
+    random.gauss(0, 1), np.random.normal()  # leave cached Gaussians behind: seeding drops them
+    seed_rngs(seed)
+    ours = draws()
+    random.gauss(0, 1), np.random.normal()
+    random.seed(seed)
+    np.random.seed(seed & 0xFFFFFFFF)
+    torch.manual_seed(seed)
+    assert ours == draws()
