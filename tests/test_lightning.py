@@ -41,8 +41,13 @@ class _DataModule(lightning.LightningDataModule):
 
 def _trainer(**kwargs):
     return lightning.Trainer(
-        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, **kwargs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
     )
 
 
@@ -59,8 +64,9 @@ def test_lightning_rebuilds_it_with_an_injected_distributed_sampler():
     from lightning.pytorch.trainer.states import RunningStage
     from lightning.pytorch.utilities.data import _update_dataloader
 
-    loader = DataLoader(RandomDraws(16), batch_size=4, shuffle=True, num_workers=1, seed=9,
-                        device_prefetch=3)
+    loader = DataLoader(
+        RandomDraws(16), batch_size=4, shuffle=True, num_workers=1, seed=9, device_prefetch=3
+    )
     sampler = torch.utils.data.DistributedSampler(loader.dataset, num_replicas=2, rank=1)
     rebuilt = _update_dataloader(loader, sampler, mode=RunningStage.TRAINING)
     assert type(rebuilt) is DataLoader

@@ -69,7 +69,9 @@ def test_extra_arguments_are_attributes_for_rebuilding():
     loader = DataLoader(range(4), num_workers=1, seed=5, device_prefetch=3)
     assert loader.seed == 5 and loader.device_prefetch == 3 and loader.distributed is False
     rebuilt = DataLoader(
-        loader.dataset, num_workers=loader.num_workers, seed=loader.seed,
+        loader.dataset,
+        num_workers=loader.num_workers,
+        seed=loader.seed,
         device_prefetch=loader.device_prefetch,
     )
     assert [b.tolist() for b in rebuilt] == [b.tolist() for b in loader]
@@ -149,7 +151,8 @@ def test_garbage_collected_loader_stops_workers():
 
 def test_interpreter_exit_does_not_hang_or_leak_workers(tmp_path):
     script = tmp_path / "exit.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from _datasets import RandomDraws
@@ -158,7 +161,8 @@ def test_interpreter_exit_does_not_hang_or_leak_workers(tmp_path):
         iterator = iter(loader)
         next(iterator)  # exit mid-epoch, workers busy
         print(" ".join(str(p) for p in loader.worker_pids), flush=True)
-    """))
+    """)
+    )
     result = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=60
     )

@@ -56,7 +56,10 @@ def test_state_after_a_complete_epoch_resumes_at_the_next_epoch():
     list(first)
     resumed = _loader(0, seed=None)
     resumed.load_state_dict(first.state_dict())
-    assert all(torch.equal(a, b) for (a, _), b in zip(resumed, expected[len(expected) // 2 :], strict=False))
+    assert all(
+        torch.equal(a, b)
+        for (a, _), b in zip(resumed, expected[len(expected) // 2 :], strict=False)
+    )
     assert resumed.epoch == 1
 
 
@@ -88,13 +91,25 @@ def test_resume_in_another_process(tmp_path: Path):
         ({}, "state_dict"),
         ({"fastloader_state_version": 99}, "version"),
         (
-            {"fastloader_state_version": 1, "seed": 1, "epoch": -1, "batches_consumed": 0,
-             "epoch_started": True, "epoch_complete": False},
+            {
+                "fastloader_state_version": 1,
+                "seed": 1,
+                "epoch": -1,
+                "batches_consumed": 0,
+                "epoch_started": True,
+                "epoch_complete": False,
+            },
             "non-negative",
         ),
         (
-            {"fastloader_state_version": 1, "seed": "x", "epoch": 0, "batches_consumed": 0,
-             "epoch_started": True, "epoch_complete": False},
+            {
+                "fastloader_state_version": 1,
+                "seed": "x",
+                "epoch": 0,
+                "batches_consumed": 0,
+                "epoch_started": True,
+                "epoch_complete": False,
+            },
             "seed",
         ),
     ],

@@ -24,8 +24,12 @@ def reference():
 )
 def test_same_batches_for_any_worker_count_and_persistence(reference, num_workers, persistent):
     loader = DataLoader(
-        RandomDraws(24), batch_size=5, shuffle=True, seed=11,
-        num_workers=num_workers, persistent_workers=persistent,
+        RandomDraws(24),
+        batch_size=5,
+        shuffle=True,
+        seed=11,
+        num_workers=num_workers,
+        persistent_workers=persistent,
     )
     for ours, expected in zip(_epochs(loader), reference, strict=False):
         assert torch.equal(ours, expected)
@@ -34,7 +38,11 @@ def test_same_batches_for_any_worker_count_and_persistence(reference, num_worker
 
 def test_same_batches_with_spawned_workers(reference):
     loader = DataLoader(
-        RandomDraws(24), batch_size=5, shuffle=True, seed=11, num_workers=2,
+        RandomDraws(24),
+        batch_size=5,
+        shuffle=True,
+        seed=11,
+        num_workers=2,
         multiprocessing_context="spawn",
     )
     for ours, expected in zip(_epochs(loader), reference, strict=False):
@@ -152,7 +160,7 @@ def test_main_process_loading_leaves_training_randomness_alone():
         np.random.seed(0)
         torch.manual_seed(0)
         draws = []
-        for _ in (loader or range(3)):
+        for _ in loader or range(3):
             draws.append((random.random(), np.random.rand(), torch.rand(1).item()))
         return draws
 
