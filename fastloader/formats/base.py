@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from fastloader.formats.images import to_rgb
 from fastloader.formats.records import PackError, Record, RecordKind, decode_record
 
 DECODE_MODES = ("pil", "tensor", "numpy", "bytes")
@@ -170,6 +171,9 @@ class PackedDataset(Dataset):
 def decode_image(record: Record, mode: str, where: str = "record") -> Any:
     """Turn a record's payload into a PIL RGB image, a uint8 CHW tensor, a HWC array or bytes.
 
+    Stored image files are converted to RGB as packing converts them (``formats.images.to_rgb``:
+    like torchvision's loader, except that 16-bit images are scaled rather than clipped).
+
     The result never refers to the file's memory, so it outlives the read transaction.
 
     Raises:
@@ -187,7 +191,8 @@ def decode_image(record: Record, mode: str, where: str = "record") -> Any:
         return Image.fromarray(pixels if pixels.shape[2] != 1 else pixels[:, :, 0])
     with _decoding(where):
         image = Image.open(io.BytesIO(record.payload))
-        image = image.convert("RGB")
+        image.load()  # inside the read transaction, and so that errors surface here
+        image = to_rgb(image)
     if mode == "pil":
         return image
     if mode == "numpy":

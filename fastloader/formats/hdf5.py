@@ -95,7 +95,9 @@ class HDF5Writer:
         path: the file to write (must not exist).
         store: the store mode recorded in the metadata ("encoded", "raw" or "jpeg").
         classes: class names, indexed by label.
-        info: extra JSON-able facts to keep in the metadata (source, options, ...).
+        info: extra JSON-able facts to keep in the metadata (source, options, ...). The
+            ``store``, ``classes`` and ``info`` attributes are read when ``close()`` writes the
+            metadata.
 
     Raises:
         FileExistsError: if ``path`` exists.
@@ -112,7 +114,10 @@ class HDF5Writer:
         info: dict | None = None,
     ) -> None:
         self.path = Path(path)
-        self._metadata_args = (store, list(classes), dict(info or {}))
+        # Read by close(), so a caller can still add what it learns while writing.
+        self.store = store
+        self.classes = list(classes)
+        self.info = dict(info or {})
         dump_metadata(make_metadata(self.backend, store, 0, classes, info))  # fail early
         self._file = h5py.File(self.path, "x")  # "x" raises FileExistsError
         self._records = self._file.create_dataset(
@@ -143,10 +148,9 @@ class HDF5Writer:
     def close(self) -> None:
         """Write the offsets, labels and metadata, then close: the pack is then complete."""
         self._flush()
-        store, classes, info = self._metadata_args
         self._file.create_dataset("offsets", data=np.frombuffer(self._offsets, dtype=np.int64))
         self._file.create_dataset("targets", data=np.frombuffer(self._labels, dtype=np.int64))
-        metadata = make_metadata(self.backend, store, self.count, classes, info)
+        metadata = make_metadata(self.backend, self.store, self.count, self.classes, self.info)
         self._file.attrs[_METADATA_ATTR] = dump_metadata(metadata).decode()
         self._file.close()
 

@@ -146,7 +146,9 @@ class LMDBWriter:
         path: the file to write (must not exist).
         store: the store mode recorded in the metadata ("encoded", "raw" or "jpeg").
         classes: class names, indexed by label.
-        info: extra JSON-able facts to keep in the metadata (source, options, ...).
+        info: extra JSON-able facts to keep in the metadata (source, options, ...). The
+            ``store``, ``classes`` and ``info`` attributes are read when ``close()`` writes the
+            metadata.
 
     Raises:
         FileExistsError: if ``path`` exists.
@@ -165,7 +167,10 @@ class LMDBWriter:
         self.path = Path(path)
         if self.path.exists():
             raise FileExistsError(f"{self.path}: already exists")
-        self._metadata_args = (store, list(classes), dict(info or {}))
+        # Read by close(), so a caller can still add what it learns while writing.
+        self.store = store
+        self.classes = list(classes)
+        self.info = dict(info or {})
         dump_metadata(make_metadata(self.backend, store, 0, classes, info))  # fail early
         self._env = lmdb.open(
             str(self.path), subdir=False, map_size=_MAP_SIZE, lock=False, sync=False, meminit=False
@@ -190,8 +195,7 @@ class LMDBWriter:
 
     def close(self) -> None:
         """Write the labels and metadata, sync and close: the pack is then complete."""
-        store, classes, info = self._metadata_args
-        metadata = make_metadata(self.backend, store, self.count, classes, info)
+        metadata = make_metadata(self.backend, self.store, self.count, self.classes, self.info)
         labels = np.frombuffer(self._labels, dtype=np.int64).astype("<i8")
         self._txn.put(_TARGETS_KEY, labels.tobytes())
         self._txn.put(_METADATA_KEY, dump_metadata(metadata))

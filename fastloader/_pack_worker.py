@@ -1,0 +1,186 @@
+"""The encode stage of packing: one sample in, the bytes of one record (or why not) out.
+
+Runs in the packing worker processes (see NOTE [ Packing workers ]); pack.py scans and writes.
+"""
+
+from __future__ import annotations
+
+import io
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from fastloader.formats import RecordKind, encode_record
+from fastloader.formats.images import decode_image, strict_decoding, to_rgb
+
+
+@dataclass(frozen=True)
+class Options:
+    store: str
+    quality: int
+    max_side: int | None
+
+
+class Encoded(NamedTuple):
+    record: bytes | None  # None when skipped
+    label: int
+    reason: str | None  # why it was skipped
+
+
+def fit_within(image: Image.Image, max_side: int | None) -> Image.Image:
+    """Shrink ``image`` (bicubic) so its longer side is ``max_side``, keeping its aspect ratio.
+
+    Smaller images, and any with ``max_side=None``, are returned as they are: never upscaled.
+    """
+    width, height = image.size
+    if max_side is None or max(width, height) <= max_side:
+        return image
+    scale = max_side / max(width, height)
+    size = (max(1, round(width * scale)), max(1, round(height * scale)))
+    return image.resize(size, Image.Resampling.BICUBIC)
+
+
+def encode_image(image: Image.Image, label: int, options: Options) -> bytes:
+    """Return the record of a decoded image: RGB pixels, RGB JPEG, or (store encoded) RGB PNG."""
+    image = fit_within(to_rgb(image), options.max_side)
+    if options.store == "raw":
+        return encode_record(np.asarray(image), label, RecordKind.RAW)
+    buffer = io.BytesIO()
+    if options.store == "jpeg":
+        image.save(buffer, "JPEG", quality=options.quality)
+    else:
+        image.save(buffer, "PNG")
+    return encode_record(buffer.getvalue(), label, RecordKind.ENCODED)
+
+
+def _encode_bytes(data: bytes, label: int, options: Options) -> bytes:
+    image = decode_image(data)  # decoded in every store mode: bad files are found here
+    if options.store == "encoded":
+        return encode_record(data, label, RecordKind.ENCODED)
+    return encode_image(image, label, options)
+
+
+def _reason(error: BaseException) -> str:
+    """A one-line reason for a skipped input, the same in any process."""
+    if isinstance(error, UnidentifiedImageError):
+        return "not an image file Pillow can read"
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if isinstance(error, OSError) else f"{type(error).__name__}: {text}"
+
+
+def encode_file(path: str, label: int, options: Options) -> Encoded:
+    """Read one image file and return its record, or why it cannot be packed.
+
+    Never raises for a bad file: unreadable, empty, truncated and non-image files come back with
+    ``record=None`` and a reason.
+    """
+    try:
+        with open(path, "rb") as file:
+            data = file.read()
+        if not data:
+            return Encoded(None, label, "empty file")
+        return Encoded(_encode_bytes(data, label, options), label, None)
+    except Exception as error:
+        return Encoded(None, label, _reason(error))
+
+
+class FolderEncoder:
+    """Encodes ``(path, label)`` items."""
+
+    def __init__(self, options: Options) -> None:
+        self.options = options
+
+    def __call__(self, item: tuple[str, int]) -> Encoded:
+        return encode_file(item[0], item[1], self.options)
+
+
+class DatasetEncoder:
+    """Encodes the sample at a dataset index: images that fail to decode are skipped, samples
+    of the wrong kind (not ``(image, int label)``) raise, naming the index."""
+
+    def __init__(self, dataset: Any, options: Options, num_classes: int) -> None:
+        self.dataset = dataset
+        self.options = options
+        self.num_classes = num_classes
+
+    def __call__(self, index: int) -> Encoded:
+        sample = self.dataset[index]
+        if not isinstance(sample, (tuple, list)) or len(sample) != 2:
+            raise TypeError(f"sample {index}: expected an (image, label) pair, got {type(sample)}")
+        image = _as_image(sample[0], index)
+        label = check_label(sample[1], index, self.num_classes)
+        try:
+            if isinstance(image, bytes):
+                return Encoded(_encode_bytes(image, label, self.options), label, None)
+            with strict_decoding():
+                image.load()  # a lazily read image file may be bad
+            return Encoded(encode_image(image, label, self.options), label, None)
+        except Exception as error:
+            return Encoded(None, label, _reason(error))
+
+
+def check_label(label: Any, index: int, num_classes: int | None) -> int:
+    if isinstance(label, torch.Tensor) and label.numel() == 1:
+        if not (label.is_floating_point() or label.is_complex() or label.dtype == torch.bool):
+            label = label.item()
+    if isinstance(label, np.integer):
+        label = int(label)
+    if not isinstance(label, int) or isinstance(label, bool):
+        raise TypeError(f"sample {index}: the label must be an int, got {label!r}")
+    if label < 0 or (num_classes is not None and label >= num_classes):
+        raise ValueError(f"sample {index}: label {label} is not one of {num_classes} classes")
+    return label
+
+
+def _as_image(image: Any, index: int) -> Image.Image | bytes:
+    """Return a PIL image, or encoded image bytes; arrays and tensors become images."""
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return bytes(image)
+    if isinstance(image, Image.Image):
+        return image
+    if isinstance(image, torch.Tensor):
+        image = image.detach().cpu()
+        image = (image.permute(1, 2, 0) if image.ndim == 3 else image).numpy()  # CHW -> HWC
+    if (
+        not isinstance(image, np.ndarray)
+        or image.dtype != np.uint8
+        or image.ndim not in (2, 3)
+        or (image.ndim == 3 and image.shape[2] not in (1, 3, 4))
+    ):
+        what = f"{image.dtype} {tuple(image.shape)}" if hasattr(image, "shape") else type(image)
+        raise TypeError(
+            f"sample {index}: the image must be a PIL image, encoded image bytes, a uint8 "
+            f"array (HW or HWC) or a uint8 tensor (HW or CHW); got {what}"
+        )
+    if image.ndim == 3 and image.shape[2] == 1:
+        image = image[:, :, 0]
+    return Image.fromarray(np.ascontiguousarray(image))
+
+
+# NOTE [ Packing workers ]
+# Workers get chunks of a few samples through a ProcessPoolExecutor. At most `2 * workers + 2`
+# chunks are in flight and results are taken in submission order, so records are written in
+# index order and memory stays bounded however slow the writer is. The encoder (with a dataset
+# in it) reaches each worker once, through the initializer. Workers ignore SIGINT: Ctrl-C is
+# handled once, by the main process, which cancels what is queued and cleans up (see NOTE
+# [ Atomic packing ]). An exception in a worker, KeyboardInterrupt included, is re-raised in
+# the main process by `Future.result()`; a worker that dies breaks the pool loudly, no hang.
+
+_worker_encoder: Callable[[Any], Encoded] | None = None
+
+
+def start_worker(encoder: Callable[[Any], Encoded]) -> None:
+    global _worker_encoder
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _worker_encoder = encoder
+
+
+def encode_chunk(items: list) -> list[Encoded]:
+    return [_worker_encoder(item) for item in items]

@@ -1,0 +1,58 @@
+"""Turning image files into 8-bit RGB, the same way when packing and when reading a pack."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+from collections.abc import Iterator
+
+import numpy as np
+from PIL import Image, ImageFile
+
+_SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+
+
+@contextlib.contextmanager
+def strict_decoding() -> Iterator[None]:
+    """Make Pillow raise on truncated files, whatever the caller set; hush its palette warning."""
+    saved = ImageFile.LOAD_TRUNCATED_IMAGES
+    ImageFile.LOAD_TRUNCATED_IMAGES = False
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Palette images with Transparency", UserWarning)
+            yield
+    finally:
+        ImageFile.LOAD_TRUNCATED_IMAGES = saved
+
+
+def decode_image(data: bytes) -> Image.Image:
+    """Open image file bytes and decode every pixel.
+
+    Raises:
+        PIL.UnidentifiedImageError: if the bytes are not an image Pillow reads.
+        OSError: if the file is truncated or corrupt (even with Pillow's
+            ``ImageFile.LOAD_TRUNCATED_IMAGES`` set).
+    """
+    with strict_decoding():
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    return image
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Convert any image to 8-bit RGB like torchvision's loader, but scale 16-bit images.
+
+    Grayscale, palette (with or without transparency), RGBA/LA (alpha dropped), CMYK and the
+    other modes go through ``convert("RGB")``; 16-bit images (``I;16*``, and ``I``, taken as
+    holding 16-bit values) keep their top 8 bits instead of being clipped at 255.
+    """
+    if image.mode in _SIXTEEN_BIT_MODES:
+        pixels = np.asarray(image)
+        if image.mode == "I":
+            pixels = np.clip(pixels, 0, 65535)
+        image = Image.fromarray((pixels >> 8).astype(np.uint8))
+    if image.mode == "RGB":
+        return image
+    with strict_decoding():
+        return image.convert("RGB")

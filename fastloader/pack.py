@@ -1,0 +1,417 @@
+"""Pack an image folder, or any map-style dataset, into one LMDB or HDF5 file.
+
+Packing is three small stages:
+
+* scan (main process): the samples of an image folder in torchvision ``ImageFolder`` order
+  (:func:`scan_image_folder`), or the indices of a dataset;
+* encode (worker processes): one sample -> the bytes of one record, or the reason it is skipped
+  (:func:`encode_file`, :func:`encode_image`; see NOTE [ Packing workers ]);
+* write (main process): one writer appends the records in index order, then the file is renamed
+  into place (see NOTE [ Atomic packing ]).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pickle
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from tqdm import tqdm
+
+from fastloader._pack_worker import (
+    DatasetEncoder,
+    Encoded,
+    FolderEncoder,
+    Options,
+    check_label,
+    encode_chunk,
+    start_worker,
+)
+from fastloader.formats import (
+    STORE_MODES,
+    format_from_suffix,
+    open_writer,
+)
+
+__all__ = ["IMG_EXTENSIONS", "BadImageError", "PackSummary", "pack", "scan_image_folder"]
+
+#: The file suffixes torchvision's ImageFolder accepts (matched case-insensitively).
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+FORMATS = ("lmdb", "hdf5")
+_CHUNK = 16  # samples per worker task: IPC stays cheap, memory in flight stays small
+
+
+class BadImageError(ValueError):
+    """An input image could not be read, with ``strict=True`` (the message names it and why)."""
+
+
+@dataclass
+class PackSummary:
+    """What :func:`pack` wrote.
+
+    Attributes:
+        path: the pack written.
+        format: ``"lmdb"`` or ``"hdf5"``.
+        store: ``"encoded"``, ``"raw"`` or ``"jpeg"``.
+        count: the number of records written.
+        classes: the class names; a record's label indexes this list.
+        skipped: ``(path or dataset index, reason)`` for every input that could not be read.
+        size_bytes: the size of the file written.
+        seconds: how long packing took.
+    """
+
+    path: Path
+    format: str
+    store: str
+    count: int
+    classes: list[str]
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    size_bytes: int = 0
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        lines = [
+            f"packed {self.count} images of {len(self.classes)} classes into {self.path} "
+            f"({self.format}, store={self.store}, {human_size(self.size_bytes)}) "
+            f"in {self.seconds:.1f} s"
+        ]
+        if self.skipped:
+            lines.append(f"skipped {len(self.skipped)} unreadable:")
+            lines += [f"  {where}: {reason}" for where, reason in self.skipped[:20]]
+            if len(self.skipped) > 20:
+                lines.append(f"  ... and {len(self.skipped) - 20} more")
+        return "\n".join(lines)
+
+
+def human_size(size: float) -> str:
+    """Return a byte count in binary units, e.g. ``"1.5 MiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def scan_image_folder(root: str | os.PathLike) -> tuple[list[tuple[str, int]], list[str]]:
+    """List the images of a folder in torchvision ``ImageFolder`` layout, in its order.
+
+    Classes are the sorted names of the subfolders of ``root`` (symlinks count). Each class
+    folder is walked recursively, following symlinks, in ``sorted(os.walk(...))`` order, names
+    sorted within a folder; a file is an image when its name ends with one of
+    :data:`IMG_EXTENSIONS`, in any case. The result equals ``ImageFolder(root).samples``.
+
+    Args:
+        root: the folder; ``~`` is expanded.
+
+    Returns:
+        ``(samples, classes)``: ``samples`` is a list of ``(path, label)``.
+
+    Raises:
+        FileNotFoundError: if ``root`` does not exist, has no class folder, or a class folder
+            holds no image (as ImageFolder does).
+        NotADirectoryError: if ``root`` is not a folder.
+    """
+    root = os.path.expanduser(os.fspath(root))
+    if not os.path.exists(root):
+        raise FileNotFoundError(f"{root}: no such folder")
+    if not os.path.isdir(root):
+        raise NotADirectoryError(f"{root}: not a folder")
+    classes = sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
+    if not classes:
+        raise FileNotFoundError(f"{root}: no class folders (expected one subfolder per class)")
+    samples: list[tuple[str, int]] = []
+    empty = []
+    for label, name in enumerate(classes):
+        before = len(samples)
+        for folder, _, names in sorted(os.walk(os.path.join(root, name), followlinks=True)):
+            for file_name in sorted(names):
+                if file_name.lower().endswith(IMG_EXTENSIONS):
+                    samples.append((os.path.join(folder, file_name), label))
+        if len(samples) == before:
+            empty.append(name)
+    if empty:
+        raise FileNotFoundError(
+            f"{root}: found no image file for the classes {', '.join(empty)} "
+            f"(supported extensions are: {', '.join(IMG_EXTENSIONS)})"
+        )
+    return samples, classes
+
+
+# --- encode: runs in the worker processes -----------------------------------------------------
+
+
+# --- scan and write: run in the main process --------------------------------------------------
+
+
+def _encode_all(encoder: Callable, items: Sequence, workers: int) -> Iterator[Encoded]:
+    """Yield ``encoder(item)`` for every item in order, in ``workers`` processes if > 1."""
+    if workers <= 1:
+        yield from map(encoder, items)
+        return
+    size = max(1, min(_CHUNK, len(items) // (workers * 4)))
+    context = multiprocessing.get_context(_start_method())
+    executor = ProcessPoolExecutor(workers, context, start_worker, (encoder,))
+    try:
+        pending: deque = deque()
+        for start in range(0, len(items), size):
+            pending.append(executor.submit(encode_chunk, list(items[start : start + size])))
+            if len(pending) >= 2 * workers + 2:
+                yield from pending.popleft().result()
+        while pending:
+            yield from pending.popleft().result()
+    finally:
+        executor.shutdown(wait=True, cancel_futures=True)
+
+
+class _Job(NamedTuple):
+    encoder: Callable[[Any], Encoded]
+    items: Sequence
+    name: Callable[[int], str]  # what item i is called in the skipped list
+    classes: list[str]
+    source: str
+    parallel: bool  # False when the encoder cannot reach worker processes
+
+
+def _folder_job(root: str | os.PathLike, options: Options) -> _Job:
+    samples, classes = scan_image_folder(root)
+    source = os.path.abspath(os.path.expanduser(os.fspath(root)))
+    return _Job(FolderEncoder(options), samples, lambda i: samples[i][0], classes, source, True)
+
+
+def _dataset_job(dataset: Any, options: Options, classes: Sequence[str] | None) -> _Job:
+    if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+        raise TypeError(f"source must be an image folder or a map-style dataset, not {dataset!r}")
+    if len(dataset) == 0:
+        raise ValueError("the dataset is empty")
+    names = _dataset_classes(dataset, classes)
+    parallel = _start_method() == "fork" or _picklable(dataset)
+    encoder = DatasetEncoder(dataset, options, len(names))
+    source = f"{type(dataset).__module__}.{type(dataset).__qualname__}"
+    return _Job(encoder, range(len(dataset)), str, names, source, parallel)
+
+
+def _dataset_classes(dataset: Any, classes: Sequence[str] | None) -> list[str]:
+    """``classes``, else ``dataset.classes``, else ``"0"`` .. ``str(largest label)``.
+
+    The last needs every label first: ``dataset.targets`` if it has them, else one more pass.
+    """
+    if classes is None:
+        classes = getattr(dataset, "classes", None)
+    if classes is not None:
+        return [str(name) for name in classes]
+    targets = getattr(dataset, "targets", None)
+    if targets is None or len(targets) != len(dataset):
+        targets = [dataset[index][1] for index in range(len(dataset))]
+    labels = [check_label(label, index, None) for index, label in enumerate(targets)]
+    return [str(label) for label in range(max(labels) + 1)]
+
+
+def _start_method() -> str:
+    """The start method workers will use, without fixing the global one as a side effect."""
+    return (
+        multiprocessing.get_start_method(allow_none=True)
+        or (
+            multiprocessing.get_all_start_methods()[0]  # the platform's default comes first
+        )
+    )
+
+
+def _picklable(value: Any) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:
+        return False
+    return True
+
+
+def _check_options(store: str, quality: int, max_side: int | None, format: str | None) -> None:
+    if store not in STORE_MODES:
+        raise ValueError(f"store must be one of {', '.join(STORE_MODES)}, got {store!r}")
+    if format is not None and format not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
+    if not isinstance(quality, int) or not 1 <= quality <= 100:
+        raise ValueError(f"quality must be an int from 1 to 100, got {quality!r}")
+    if max_side is not None and store == "encoded":
+        raise ValueError("max_side needs store='raw' or 'jpeg' (store='encoded' keeps the files)")
+    if max_side is not None and (not isinstance(max_side, int) or max_side < 1):
+        raise ValueError(f"max_side must be a positive int, got {max_side!r}")
+
+
+def _check_target(target: Path, overwrite: bool) -> None:
+    """Fail before any work if the pack cannot be written, or would replace a file unasked."""
+    if target.is_dir():
+        raise IsADirectoryError(f"{target}: is a folder")
+    if target.exists() and not overwrite:
+        raise FileExistsError(
+            f"{target}: already exists (use --overwrite, or overwrite=True, to replace it)"
+        )
+    if not target.parent.exists():
+        raise FileNotFoundError(f"{target.parent}: no such folder to write {target.name} in")
+    if not target.parent.is_dir():
+        raise NotADirectoryError(f"{target.parent}: not a folder")
+    if not os.access(target.parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"{target.parent}: no permission to write {target.name} there")
+
+
+def _default_workers() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+# NOTE [ Atomic packing ]
+# The writer writes a hidden temporary file beside the target, `.NAME.partial-PID`, in the same
+# folder so that the final `os.replace` is an atomic rename within one file system. The rename
+# happens only after the writer's close() succeeded and the file is synced; close() writes the
+# metadata last, so a temporary file left by a killed run never opens as a complete pack. On
+# any exception, KeyboardInterrupt included, the writer is aborted and the temporary file is
+# removed; an existing target is untouched until the rename.
+
+
+def pack(
+    source: str | os.PathLike | Any,
+    path: str | os.PathLike,
+    *,
+    format: str | None = None,
+    store: str = "encoded",
+    quality: int = 90,
+    max_side: int | None = None,
+    workers: int | None = None,
+    overwrite: bool = False,
+    strict: bool = False,
+    progress: bool | None = None,
+    classes: Sequence[str] | None = None,
+) -> PackSummary:
+    """Pack an image folder or a map-style dataset into one LMDB or HDF5 file.
+
+    Images that cannot be read (unreadable, empty, truncated, not an image) are skipped and
+    listed in the summary. The pack is written beside ``path`` and renamed at the end, so
+    ``path`` is either the complete pack or untouched (see NOTE [ Atomic packing ]).
+
+    Args:
+        source: an image folder in torchvision ``ImageFolder`` layout, or a map-style dataset
+            of ``(image, label)`` samples: the image a PIL image, a uint8 array (HW or HWC), a
+            uint8 tensor (HW or CHW) or the bytes of an image file; the label an int.
+        path: the pack to write.
+        format: ``"lmdb"`` or ``"hdf5"``; by default from the suffix of ``path`` (``.lmdb``,
+            ``.h5``, ``.hdf5``).
+        store: ``"encoded"`` keeps the files' bytes (checked to decode; a dataset's decoded
+            images are stored as lossless RGB PNG), ``"raw"`` decoded uint8 HWC RGB pixels,
+            ``"jpeg"`` RGB JPEG re-encoded at ``quality``. Pixels are converted to 8-bit RGB.
+        quality: the JPEG quality for ``store="jpeg"`` (1-100).
+        max_side: for ``raw`` and ``jpeg``, shrink images whose longer side is larger.
+        workers: processes that decode and encode; default all usable CPUs; 0 or 1 encode in
+            this process, as does a dataset that cannot be pickled when workers do not fork.
+        overwrite: replace an existing ``path``.
+        strict: fail on the first image that cannot be read instead of skipping it.
+        progress: show a progress bar on stderr; default when stderr is a terminal.
+        classes: for a dataset, the class names; default ``dataset.classes``, else ``"0"`` up to
+            the largest label (which needs ``dataset.targets`` or one more pass for labels).
+
+    Returns:
+        a :class:`PackSummary` of what was written and skipped.
+
+    Raises:
+        FileNotFoundError: if the source folder is missing, has no class folder or a class
+            folder without images, or the folder of ``path`` does not exist.
+        FileExistsError: if ``path`` exists and ``overwrite`` is False.
+        PermissionError, NotADirectoryError, IsADirectoryError: if ``path`` cannot be written.
+        ValueError: for a bad option, an unknown suffix without ``format``, a label out of
+            range (naming the sample), or when no image at all could be read.
+        BadImageError: with ``strict=True``, naming the first image that cannot be read.
+        TypeError: if a dataset sample is not ``(image, int label)``, naming its index.
+    """
+    started = time.perf_counter()
+    _check_options(store, quality, max_side, format)
+    if workers is not None and workers < 0:
+        raise ValueError(f"workers must be >= 0, got {workers}")
+    target = Path(os.path.expanduser(os.fspath(path)))
+    format = format or format_from_suffix(target)
+    _check_target(target, overwrite)
+    options = Options(store, quality, max_side)
+    if isinstance(source, (str, os.PathLike)):
+        if classes is not None:
+            raise ValueError("classes= is for datasets: an image folder's classes are its folders")
+        job = _folder_job(source, options)
+    else:
+        job = _dataset_job(source, options, classes)
+    workers = _default_workers() if workers is None else workers
+    workers = min(workers, len(job.items)) if job.parallel else 0
+    info = {
+        "source": job.source,
+        "skipped": None,  # known at the end
+        "created_by": "fastloader-pack",
+        "max_side": max_side,
+        "quality": quality if store == "jpeg" else None,
+    }
+    temp = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(temp)  # left by a killed run of a process that had our pid
+    writer = None
+    try:
+        writer = open_writer(temp, format, store=store, classes=job.classes, info=info)
+        results = _encode_all(job.encoder, job.items, workers)
+        show = sys.stderr.isatty() if progress is None else progress
+        bar = tqdm(total=len(job.items), desc=target.name, unit="img", disable=not show)
+        with contextlib.closing(results), bar:
+            skipped = _write_all(writer, results, job.name, strict, bar)
+        if writer.count == 0:
+            where, reason = skipped[0]
+            raise ValueError(f"no image could be read from {job.source} (first: {where}: {reason})")
+        writer.info["skipped"] = len(skipped)
+        writer.close()
+        _sync(temp)
+        os.replace(temp, target)
+    except BaseException:
+        if writer is not None:
+            with contextlib.suppress(Exception):
+                writer.abort()
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temp)
+        raise
+    _sync(target.parent)
+    size, seconds = target.stat().st_size, time.perf_counter() - started
+    return PackSummary(target, format, store, writer.count, job.classes, skipped, size, seconds)
+
+
+def _write_all(
+    writer: Any, results: Iterable[Encoded], name: Callable, strict: bool, bar: tqdm
+) -> list[tuple[str, str]]:
+    """Append every record in order; return the skipped ``(name, reason)`` pairs."""
+    skipped = []
+    for index, result in enumerate(results):
+        if result.reason is None:
+            writer.append(result.record, result.label)
+        elif strict:
+            raise BadImageError(f"{name(index)}: {result.reason}")
+        else:
+            skipped.append((name(index), result.reason))
+        bar.update()
+    return skipped
+
+
+def _sync(path: Path) -> None:
+    """Flush a file, or a folder's entries, to disk (best effort for folders)."""
+    try:
+        handle = os.open(path, os.O_RDONLY)
+    except OSError:
+        if path.is_dir():
+            return
+        raise
+    try:
+        os.fsync(handle)
+    except OSError:
+        if not path.is_dir():
+            raise
+    finally:
+        os.close(handle)
