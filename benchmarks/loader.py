@@ -26,6 +26,7 @@ from PIL import Image
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset
 
+from benchmarks._photos import photo_jpegs
 from fastloader import DataLoader
 from fastloader.seeding import sample_seed, seed_rngs
 
@@ -35,22 +36,6 @@ SIZES = {
     "quick": (384, 5, 32, 0.004, 0.5, 20_000),
     "full": (1536, 6, 32, 0.004, 1.0, 100_000),
 }
-
-
-def _photo_jpegs(count: int, seed: int = 0) -> list[bytes]:
-    from skimage import data
-
-    photos = [data.astronaut(), data.coffee(), data.chelsea(), data.rocket()]
-    rng = np.random.default_rng(seed)
-    jpegs = []
-    for i in range(count):
-        photo = photos[i % len(photos)]
-        top = rng.integers(0, photo.shape[0] - 256)
-        left = rng.integers(0, photo.shape[1] - 256)
-        buffer = io.BytesIO()
-        Image.fromarray(photo[top : top + 256, left : left + 256]).save(buffer, "JPEG")
-        jpegs.append(buffer.getvalue())
-    return jpegs
 
 
 class JpegPhotos(Dataset):
@@ -160,7 +145,7 @@ def _seeding_overhead_us(samples: int, repeats: int = 5) -> dict[str, float]:
 def run(size: str, workdir: Path) -> dict:
     """Run the loader comparison at ``size`` ("tiny", "quick", "full")."""
     samples, epochs, batch, step_s, startup_s, seeding_samples = SIZES[size]
-    jpegs = _photo_jpegs(samples)
+    jpegs = photo_jpegs(samples)
     epochs_result = _epoch_comparison(jpegs, epochs, batch, step_s)
     startup = _startup_comparison(jpegs[: batch * 4], batch, startup_s)
     seeding = _seeding_overhead_us(seeding_samples)
@@ -180,14 +165,22 @@ def run(size: str, workdir: Path) -> dict:
                 "first_batch_ms_later_median": round(later_first_batch(name) * 1e3, 2),
                 "steady_samples_per_s": round(steady(name), 1),
                 "startup_dataset_epoch2_first_batch_ms": round(startup[name][1] * 1e3, 1),
+                "vs_torch_steady": round(steady(name) / steady("torch"), 3),
+                "vs_torch_epoch_start": round(
+                    later_first_batch("torch") / later_first_batch(name), 3
+                ),
             }
         )
     batch_interval = batch / steady("fastloader")
     return {
         "comparison": "loader",
         "config": {
-            "samples": samples, "epochs": epochs, "batch_size": batch, "num_workers": 2,
-            "step_ms": step_s * 1e3, "startup_s": startup_s,
+            "samples": samples,
+            "epochs": epochs,
+            "batch_size": batch,
+            "num_workers": 2,
+            "step_ms": step_s * 1e3,
+            "startup_s": startup_s,
         },
         "rows": rows,
         "epochs": epochs_result,

@@ -6,7 +6,7 @@ objects built here (the seeded dataset wrappers and ``_WorkerInit``).
 NOTE [ torch internals fastloader relies on ]
 
 Every touch of torch's private DataLoader machinery is in this module. Tested with torch
-2.6 to 2.13 (see pyproject.toml). We subclass ``_SingleProcessDataLoaderIter`` and
+2.13.0 and 2.14.1 (the range pinned in pyproject.toml). We subclass ``_SingleProcessDataLoaderIter`` and
 ``_MultiProcessingDataLoaderIter`` and rely on:
 
 - ``_BaseDataLoaderIter.__init__`` assigning ``self._dataset`` and the multiprocessing
