@@ -6,8 +6,8 @@ objects built here (the seeded dataset wrappers and ``_WorkerInit``).
 NOTE [ torch internals fastloader relies on ]
 
 Every touch of torch's private DataLoader machinery is in this module. Tested with torch
-2.13.0 and 2.14.1 (the range pinned in pyproject.toml). We subclass ``_SingleProcessDataLoaderIter`` and
-``_MultiProcessingDataLoaderIter`` and rely on:
+2.13.0 and 2.14.1 (the range pinned in pyproject.toml). We subclass
+``_SingleProcessDataLoaderIter`` and ``_MultiProcessingDataLoaderIter`` and rely on:
 
 - ``_BaseDataLoaderIter.__init__`` assigning ``self._dataset`` and the multiprocessing
   iterator reading ``self._worker_init_fn`` before it starts workers: both are properties here,
