@@ -184,3 +184,46 @@ def test_seed_rngs_equals_seeding_each_library_itself():
     np.random.seed(seed & 0xFFFFFFFF)
     torch.manual_seed(seed)
     assert ours == draws()
+
+
+def _random_augment(image):
+    return random.random() + float(np.random.rand()) + float(torch.rand(1))
+
+
+class _OneByOne(torch.utils.data.Dataset):
+    """The same dataset without batch reads: plain dataset[i], seeded per sample."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return self.dataset[index]
+
+
+def test_packed_datasets_seed_each_sample_while_reading_whole_batches(tmp_path):
+    from fastloader import LMDBDataset
+    from fastloader.formats import RecordKind, encode_record, open_writer
+
+    path = tmp_path / "p.lmdb"
+    with open_writer(path, "lmdb", store="raw", classes=["a"]) as writer:
+        for index in range(10):
+            pixels = np.full((2, 2, 3), index, dtype=np.uint8)
+            writer.append(encode_record(pixels, 0, RecordKind.RAW), 0)
+    dataset = LMDBDataset(path, decode="numpy", transform=_random_augment)
+
+    def draws(data, batch_size, num_workers):
+        loader = DataLoader(
+            data, batch_size=batch_size, shuffle=True, seed=8, num_workers=num_workers
+        )
+        with loader:
+            return [torch.cat([values for values, _ in loader]).tolist() for _ in range(2)]
+
+    reference = draws(_OneByOne(dataset), 4, 0)
+    assert reference[0] != reference[1]
+    assert draws(dataset, 4, 0) == reference
+    assert draws(dataset, 4, 2) == reference
+    # Per-sample seeds: a sample's augmentation does not depend on the batch it falls in.
+    assert sorted(draws(dataset, 3, 2)[0]) == sorted(reference[0])

@@ -92,9 +92,26 @@ class PackedDataset(Dataset):
         return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
-        """Read and decode a whole batch in one read transaction."""
+        """Read and decode a whole batch in one read transaction, then transform each sample."""
+        return [self.apply_transforms(sample) for sample in self.read_batch(indices)]
+
+    def read_batch(self, indices: Sequence[int]) -> list[tuple[Any, int]]:
+        """Read and decode the samples at ``indices`` in one read transaction, untransformed.
+
+        (fastloader.DataLoader uses this and ``apply_transforms`` to seed each sample's
+        transform on its own: see NOTE [ Seeding contract ].)
+        """
         positions = [self._position(index) for index in indices]
-        return self._read_each(self._handle_here(), positions, self._sample)
+        return self._read_each(self._handle_here(), positions, self._decoded)
+
+    def apply_transforms(self, sample: tuple[Any, int]) -> tuple[Any, Any]:
+        """Apply ``transform`` and ``target_transform`` to a decoded ``(image, label)``."""
+        image, label = sample
+        if self.transform is not None:
+            image = self.transform(image)
+        if self.target_transform is not None:
+            label = self.target_transform(label)
+        return image, label
 
     def read_record(self, index: int) -> Record:
         """Return record ``index`` undecoded (its payload copied out of the file)."""
@@ -157,15 +174,11 @@ class PackedDataset(Dataset):
             raise PackError(f"{self.path}: record {position} disagrees with the label index")
         return record
 
-    def _sample(self, position: int, buffer: Any) -> tuple[Any, Any]:
+    def _decoded(self, position: int, buffer: Any) -> tuple[Any, int]:
         record = self._record(position, buffer)
-        image = decode_image(record, self.decode, where=f"{self.path} record {position}")
-        label: Any = record.label
-        if self.transform is not None:
-            image = self.transform(image)
-        if self.target_transform is not None:
-            label = self.target_transform(label)
-        return image, label
+        return decode_image(
+            record, self.decode, where=f"{self.path} record {position}"
+        ), record.label
 
 
 def decode_image(record: Record, mode: str, where: str = "record") -> Any:
