@@ -59,10 +59,12 @@ def encode_image(image: Image.Image, label: int, options: Options) -> bytes:
 
 
 def _encode_bytes(data: bytes, label: int, options: Options) -> bytes:
-    image = decode_image(data)  # decoded in every store mode: bad files are found here
+    # Decoded in every store mode, so bad files are found here. Kept as they are, files are
+    # only checked, which a JPEG's smallest scale does (see decode_image).
     if options.store == "encoded":
+        decode_image(data, max_side=1)
         return encode_record(data, label, RecordKind.ENCODED)
-    return encode_image(image, label, options)
+    return encode_image(decode_image(data, options.max_side), label, options)
 
 
 def _reason(error: BaseException) -> str:

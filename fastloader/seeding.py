@@ -14,9 +14,9 @@ consumed (see NOTE [ Cross-epoch prefetch ] in ``_iterators.py``).
 
 - Datasets with ``__getitems__`` load a whole batch in one call; they are seeded once per batch
   from the batch's first index. A dataset that reads a batch at once but transforms each
-  sample (fastloader's packed datasets) offers ``read_batch(indices)`` and
-  ``apply_transforms(sample)`` instead: the batch is read in one call, and each sample is
-  transformed under its own seed, as with plain ``dataset[i]``.
+  sample (fastloader's packed datasets) offers ``getitems_with(indices, before_each)``
+  instead: the batch is read in one call, and ``before_each(i)`` seeds each sample's
+  transform from its own index, as with plain ``dataset[i]``.
 - Iterable datasets have no index: each worker is seeded from ``(seed, epoch, worker_id)`` when
   its iterator is created for the epoch.
 - In the main process (``num_workers=0``) loading must not disturb the training loop's
@@ -125,9 +125,7 @@ class SeededDataset:
         self.dataset = dataset
         self.seed = seed
         self._batched = callable(getattr(dataset, "__getitems__", None))
-        self._reads_batches = callable(getattr(dataset, "read_batch", None)) and callable(
-            getattr(dataset, "apply_transforms", None)
-        )
+        self._seeds_each_in_batch = callable(getattr(dataset, "getitems_with", None))
 
     def _load(self, index: Any, epoch: int, epoch_key: int) -> Any:
         seed_rngs(_mix64(epoch_key ^ _index_key(index)))  # == sample_seed(seed, epoch, index)
@@ -142,8 +140,8 @@ class SeededDataset:
 
     def __getitems__(self, task: Task) -> list:
         indices = list(task.indices)
-        if self._reads_batches:
-            return self._read_then_transform(indices, task.epoch)
+        if self._seeds_each_in_batch:
+            return self._load_seeding_each(indices, task.epoch)
         if not self._batched:
             key = _epoch_key(self.seed, task.epoch)
             return [self._load(index, task.epoch, key) for index in indices]
@@ -155,22 +153,19 @@ class SeededDataset:
             _annotate(error, indices, task.epoch)
             raise
 
-    def _read_then_transform(self, indices: list, epoch: int) -> list:
-        try:
-            samples = self.dataset.read_batch(indices)
-        except Exception as error:
-            _annotate(error, indices, epoch)
-            raise
+    def _load_seeding_each(self, indices: list, epoch: int) -> list:
         key = _epoch_key(self.seed, epoch)
-        transformed = []
-        for index, sample in zip(indices, samples, strict=True):
+        current: list = [indices]
+
+        def seed_sample(index: Any) -> None:
+            current[0] = index
             seed_rngs(_mix64(key ^ _index_key(index)))  # == sample_seed(seed, epoch, index)
-            try:
-                transformed.append(self.dataset.apply_transforms(sample))
-            except Exception as error:
-                _annotate(error, index, epoch)
-                raise
-        return transformed
+
+        try:
+            return self.dataset.getitems_with(indices, seed_sample)
+        except Exception as error:
+            _annotate(error, current[0], epoch)
+            raise
 
     def __len__(self) -> int:
         return len(self.dataset)

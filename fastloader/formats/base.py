@@ -78,7 +78,7 @@ class PackedDataset(Dataset):
         raise NotImplementedError
 
     def _read_each(self, handle: Any, indices: Sequence[int], use: Callable) -> list:
-        """Return ``[use(i, buffer) for i in indices]``, all in one read transaction."""
+        """Return ``[use(i, buffer) for i in indices]``, in order, in one read transaction."""
         raise NotImplementedError
 
     def _close_handle(self, handle: Any) -> None:
@@ -92,17 +92,27 @@ class PackedDataset(Dataset):
         return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
-        """Read and decode a whole batch in one read transaction, then transform each sample."""
-        return [self.apply_transforms(sample) for sample in self.read_batch(indices)]
+        """Read, decode and transform a whole batch in one read transaction."""
+        return self.getitems_with(indices, None)
 
-    def read_batch(self, indices: Sequence[int]) -> list[tuple[Any, int]]:
-        """Read and decode the samples at ``indices`` in one read transaction, untransformed.
+    def getitems_with(
+        self, indices: Sequence[int], before_each: Callable[[int], None] | None
+    ) -> list[tuple[Any, Any]]:
+        """``__getitems__``, calling ``before_each(index)`` before each sample is loaded.
 
-        (fastloader.DataLoader uses this and ``apply_transforms`` to seed each sample's
-        transform on its own: see NOTE [ Seeding contract ].)
+        fastloader.DataLoader seeds each sample's RNGs there (NOTE [ Seeding contract ]), so
+        augmentations stay per sample while the batch is read in one transaction.
         """
+        pending = iter(indices)
+
+        def load(position: int, buffer: Any) -> tuple[Any, Any]:
+            index = next(pending)
+            if before_each is not None:
+                before_each(index)
+            return self.apply_transforms(self._decoded(position, buffer))
+
         positions = [self._position(index) for index in indices]
-        return self._read_each(self._handle_here(), positions, self._decoded)
+        return self._read_each(self._handle_here(), positions, load)
 
     def apply_transforms(self, sample: tuple[Any, int]) -> tuple[Any, Any]:
         """Apply ``transform`` and ``target_transform`` to a decoded ``(image, label)``."""

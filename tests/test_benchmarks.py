@@ -1,0 +1,131 @@
+"""Smoke test of the benchmark suite: ``python -m benchmarks --size tiny`` runs and reports.
+
+It needs none of the bench extras: without scikit-image the photos are synthetic, without
+matplotlib the plots are skipped with a note, without psutil worker memory comes from /proc,
+and without litdata the peer rows are skipped with a reason. No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+# The suite is not installed (only fastloader is): import it from the checkout, however
+# pytest was started.
+ROOT = str(Path(__file__).resolve().parents[1])
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks import COMPARISONS  # noqa: E402
+from benchmarks.__main__ import main  # noqa: E402
+from benchmarks._photos import ResizeCenterCrop, make_image_folder, scan_image_folder  # noqa: E402
+from benchmarks.report import format_table, render  # noqa: E402
+
+# Columns that are differences, so may be zero or negative (memory growth).
+SIGNED = ("growth",)
+
+
+def _numbers(value: object, path: str = "") -> Iterator[tuple[str, float]]:
+    """Every number in a JSON value, with the path of keys that leads to it."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, (int, float)):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _numbers(item, f"{path}.{key}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _numbers(item, f"{path}[{index}]")
+
+
+@pytest.fixture(scope="module")
+def tiny_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("bench")
+    assert main(["--size", "tiny", "--out", str(out)]) == 0
+    return json.loads((out / "results.json").read_text()), out
+
+
+@pytest.mark.slow
+def test_tiny_run_reports_every_comparison(tiny_results: tuple[dict, Path]) -> None:
+    results, out = tiny_results
+    assert results["size"] == "tiny"
+    assert set(results["machine"]) >= {"cpu_count", "platform", "torch", "python", "date"}
+    assert list(results["comparisons"]) == list(COMPARISONS)
+    for name, result in results["comparisons"].items():
+        assert "error" not in result, f"{name} failed:\n{result['error']}"
+        if result["skipped"] is not None:
+            assert isinstance(result["skipped"], str) and result["skipped"], name
+            continue
+        assert result["rows"], f"{name} has no rows"
+        assert result["ratios"], f"{name} has no ratios"
+    assert (out / "results.md").read_text().startswith("# fastloader benchmarks, size tiny")
+    assert not (out / "work").exists(), "the generated data should be removed"
+
+
+@pytest.mark.slow
+def test_tiny_run_numbers_are_finite_and_positive(tiny_results: tuple[dict, Path]) -> None:
+    results, _ = tiny_results
+    for name, result in results["comparisons"].items():
+        for path, number in _numbers(result, name):
+            assert math.isfinite(number), f"{path} = {number}"
+        tables = {key: value for key, value in result.items() if key.endswith("rows")}
+        for path, number in _numbers({**tables, "ratios": result["ratios"]}, name):
+            if not any(word in path.rsplit(".", 1)[-1] for word in SIGNED):
+                assert number > 0, f"{path} = {number}"
+
+
+@pytest.mark.slow
+def test_tiny_run_skips_only_with_a_reason(tiny_results: tuple[dict, Path]) -> None:
+    results, out = tiny_results
+    comparisons = results["comparisons"]
+    if not torch.cuda.is_available():
+        assert "CUDA" in comparisons["gpu_step"]["skipped"]
+    peer = comparisons["packing"].get("peer_skipped")
+    assert peer is None or (isinstance(peer, str) and "litdata" in peer)
+    if results["plots_skipped"] is None:
+        assert results["plots"] and all((out / name).is_file() for name in results["plots"])
+    else:
+        assert "matplotlib" in results["plots_skipped"]
+
+
+def test_image_folder_follows_image_folder_rules(tmp_path: Path) -> None:
+    root = make_image_folder(tmp_path / "photos", 12)
+    samples, classes = scan_image_folder(root)
+    assert len(samples) == 12
+    assert classes == sorted(classes) and len(classes) >= 4
+    assert [label for _, label in samples] == sorted(label for _, label in samples)
+    assert all(path.parent.name == classes[label] for path, label in samples)
+    assert make_image_folder(tmp_path / "photos", 12) == root  # made once, then reused
+
+
+def test_resize_center_crop_gives_the_same_shape_for_every_input() -> None:
+    array = np.random.default_rng(0).integers(0, 256, (171, 256, 3), dtype=np.uint8)
+    crop = ResizeCenterCrop(224)
+    inputs = [Image.fromarray(array), array, torch.from_numpy(array).permute(2, 0, 1)]
+    for image in inputs:
+        output = crop(image)
+        assert output.shape == (3, 224, 224) and output.dtype == torch.uint8
+
+
+def test_tables_render_ratios_and_missing_cells() -> None:
+    rows = [{"name": "a", "rate": 1234.5, "vs_base": 1.0}, {"name": "b", "rate": 0.5}]
+    text = format_table(rows)
+    assert "1.00x" in text and "-" in text.splitlines()[-1]
+    assert format_table(rows, markdown=True).startswith("| name | rate | vs_base |")
+    report = render(
+        {
+            "machine": {"cpu_count": 2},
+            "size": "tiny",
+            "comparisons": {"x": {"rows": rows, "ratios": {"b_vs_a": 0.5}, "skipped": None}},
+        }
+    )
+    assert "b_vs_a: 0.50x" in report
