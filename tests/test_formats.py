@@ -295,3 +295,13 @@ def test_record_codec_round_trip_and_errors():
         decode_record(b"X" * 40, where="here")
     with pytest.raises(PackError, match="here: truncated record"):
         decode_record(b"FL", where="here")
+
+
+def test_hdf5_records_are_read_from_a_memory_map(tmp_path):
+    path = tmp_path / "p.h5"
+    _write(path, "hdf5", store="raw")
+    dataset = HDF5Dataset(path, decode="numpy")
+    np.testing.assert_array_equal(dataset[5][0], _pixels(5))
+    assert isinstance(dataset._handle.records(), np.memmap)  # zero-copy reads, no chunk cache
+    with h5py.File(path) as file:
+        assert file["records"].chunks is None
