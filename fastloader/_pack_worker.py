@@ -16,7 +16,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from fastloader.formats import RecordKind, encode_record
-from fastloader.formats.images import decode_image, strict_decoding, to_rgb
+from fastloader.formats.images import check_image, decode_image, strict_decoding, to_rgb
 
 
 @dataclass(frozen=True)
@@ -59,10 +59,10 @@ def encode_image(image: Image.Image, label: int, options: Options) -> bytes:
 
 
 def _encode_bytes(data: bytes, label: int, options: Options) -> bytes:
-    # Decoded in every store mode, so bad files are found here. Kept as they are, files are
-    # only checked, which a JPEG's smallest scale does (see decode_image).
+    # Bad files are found here: kept as they are, files are checked (check_image), otherwise
+    # they are decoded.
     if options.store == "encoded":
-        decode_image(data, max_side=1)
+        check_image(data)
         return encode_record(data, label, RecordKind.ENCODED)
     return encode_image(decode_image(data, options.max_side), label, options)
 

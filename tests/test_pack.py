@@ -426,3 +426,20 @@ def test_samples_that_are_not_images_are_errors(tmp_path):
         pack(42, tmp_path / "out.lmdb")
     with pytest.raises(ValueError, match="classes= is for datasets"):
         pack(tmp_path, tmp_path / "out.lmdb", classes=["a"])
+
+
+@pytest.mark.parametrize("kind", ["JPEG", "PNG", "BMP"])
+def test_check_image_accepts_whole_files_and_refuses_cut_ones(kind):
+    from PIL import UnidentifiedImageError
+
+    from fastloader.formats.images import check_image
+
+    buffer = io.BytesIO()
+    Image.fromarray(smooth_rgb(3)).save(buffer, kind)
+    data = buffer.getvalue()
+    check_image(data)
+    for cut in (len(data) * 9 // 10, len(data) // 2):  # pixel data lost
+        with pytest.raises(OSError):
+            check_image(data[:cut])
+    with pytest.raises(UnidentifiedImageError):
+        check_image(b"GIF? no. " * 20)

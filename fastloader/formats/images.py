@@ -49,6 +49,27 @@ def decode_image(data: bytes, max_side: int | None = None) -> Image.Image:
     return image
 
 
+# The last bytes of a complete file: a JPEG's end-of-image marker, a PNG's IEND chunk.
+_END_MARKERS = {"JPEG": b"\xff\xd9", "PNG": b"IEND\xaeB`\x82"}
+
+
+def check_image(data: bytes) -> None:
+    """Raise unless ``data`` is a complete image file Pillow can read.
+
+    A JPEG or PNG whose header parses and which ends with its end marker is accepted without
+    decoding (a truncated file has lost its end marker); anything else is decoded, a JPEG at its
+    smallest scale (see ``decode_image``).
+
+    Raises:
+        PIL.UnidentifiedImageError, OSError: as ``decode_image``.
+    """
+    with strict_decoding():
+        image = Image.open(io.BytesIO(data))
+    marker = _END_MARKERS.get(image.format or "")
+    if marker is None or not data.endswith(marker):
+        decode_image(data, max_side=1)
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
     """Convert any image to 8-bit RGB like torchvision's loader, but scale 16-bit images.
 
