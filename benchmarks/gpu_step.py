@@ -142,11 +142,12 @@ def _compare(size: str, device: torch.device) -> dict:
         ),
         "prefetcher": lambda: _steps_per_s(
             DevicePrefetcher(torch_loader(), device, depth=2, transform=normalize),
-            already_there, device, warmup, steps,
-        ),  # fmt: skip
-        "torch_pin_cuda": lambda: _steps_per_s(
-            torch_loader(), copy_in_loop, device, warmup, steps
+            already_there,
+            device,
+            warmup,
+            steps,
         ),
+        "torch_pin_cuda": lambda: _steps_per_s(torch_loader(), copy_in_loop, device, warmup, steps),
     }
     fastloader_loader = _fastloader_loader(dataset, batch, workers, device, normalize)
     if fastloader_loader is not None:

@@ -1,0 +1,145 @@
+"""``python -m benchmarks``: run every comparison, print a table, write JSON, Markdown and plots.
+
+Usage::
+
+    python -m benchmarks [--size tiny|quick|full] [--quick] [--out DIR] [--only NAME,...]
+                         [--keep-work]
+
+``quick`` (the default, also ``--quick``) takes under two minutes on 2 cores; ``full`` under
+fifteen; ``tiny`` seconds (the smoke test). Data is made under ``DIR/work`` and removed at the
+end unless ``--keep-work``. A comparison that raises is recorded with its error and the others
+still run; the exit status is then 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import os
+import platform
+import shutil
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks import COMPARISONS, SIZES, report
+from benchmarks._photos import source_photos
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse the command line (see the module docstring)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="fastloader vs torch's DataLoader (and packed formats vs image folders, "
+        "and litdata) on the same data, in one run.",
+    )
+    parser.add_argument("--size", choices=SIZES, default="quick", help="default: quick")
+    parser.add_argument(
+        "--quick", action="store_const", const="quick", dest="size", help="same as --size quick"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench-results"),
+        help="folder for results.json, results.md, *.png (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--only",
+        default=",".join(COMPARISONS),
+        help=f"comma-separated subset of {','.join(COMPARISONS)}",
+    )
+    parser.add_argument(
+        "--keep-work", action="store_true", help="keep the generated photos and packs in OUT/work"
+    )
+    args = parser.parse_args(argv)
+    args.only = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = sorted(set(args.only) - set(COMPARISONS))
+    if unknown or not args.only:
+        parser.error(f"--only takes names from {','.join(COMPARISONS)}; got {args.only}")
+    return args
+
+
+def machine_info() -> dict:
+    """What ran the suite: CPUs, platform, versions, date, and where the photos came from."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "cpu_count": os.cpu_count(),
+        "usable_cpus": usable,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "photos": source_photos()[0],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def run_comparison(name: str, size: str, workdir: Path) -> dict:
+    """Run ``benchmarks.<name>.run(size, workdir)``; an exception becomes an ``error`` entry."""
+    started = time.perf_counter()
+    module = None
+    try:
+        module = importlib.import_module(f"benchmarks.{name}")
+        result = dict(module.run(size, workdir))
+    except Exception:  # noqa: BLE001 - one failing comparison must not hide the others
+        result = {"rows": [], "ratios": {}, "error": traceback.format_exc()}
+    result.setdefault("rows", [])
+    result.setdefault("ratios", {})
+    result.setdefault("skipped", None)
+    result.pop("comparison", None)
+    doc = (module.__doc__ or "").strip() if module is not None else ""
+    summary = {"title": doc.splitlines()[0] if doc else name}
+    return {**summary, **result, "seconds": round(time.perf_counter() - started, 1)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the suite; return 0, or 1 if a comparison raised."""
+    args = parse_args(argv)
+    out = args.out
+    workdir = out / "work"
+    workdir.mkdir(parents=True, exist_ok=True)
+    results = {"machine": machine_info(), "size": args.size, "comparisons": {}}
+    started = time.perf_counter()
+    try:
+        for index, name in enumerate(args.only, 1):
+            print(f"[{index}/{len(args.only)}] {name} ...", file=sys.stderr, flush=True)
+            result = run_comparison(name, args.size, workdir)
+            results["comparisons"][name] = result
+            status = "skipped" if result["skipped"] else "error" if "error" in result else "done"
+            print(
+                f"[{index}/{len(args.only)}] {name}: {status} in {result['seconds']:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    finally:
+        if not args.keep_work:
+            shutil.rmtree(workdir, ignore_errors=True)
+    results["seconds"] = round(time.perf_counter() - started, 1)
+    plots, plots_skipped = report.write_plots(results, out)
+    results["plots"] = [plot.name for plot in plots]
+    results["plots_skipped"] = plots_skipped
+    report.write_json(results, out / "results.json")
+    (out / "results.md").write_text(report.render(results, markdown=True))
+    print(report.render(results))
+    print(
+        f"total {results['seconds']:.0f} s; wrote {out / 'results.json'}, "
+        f"{out / 'results.md'}" + "".join(f", {plot}" for plot in plots)
+    )
+    if plots_skipped:
+        print(plots_skipped)
+    errors = [name for name, result in results["comparisons"].items() if "error" in result]
+    for name in errors:
+        print(f"\n{name} failed:\n{results['comparisons'][name]['error']}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

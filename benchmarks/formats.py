@@ -1,0 +1,212 @@
+"""Read throughput of the packed formats vs the image folder they were packed from.
+
+Every row reads the same photos (the suite's image folder, see ``_photos.py``) with 2 workers,
+batch 64, shuffled, through the same evaluation transform (shorter side to 224, centre crop,
+uint8 CHW tensor), so only the storage and decoding differ:
+
+- ``image folder``: one JPEG file per sample, decoded by PIL (a minimal ``ImageFolder``), read
+  by torch's DataLoader (the baseline) and by fastloader's;
+- ``LMDBDataset`` and ``HDF5Dataset`` read by ``fastloader.DataLoader`` in each store mode:
+  ``encoded`` (the original files' bytes), ``jpeg`` (re-encoded, longer side <= 256) and
+  ``raw`` (decoded uint8 pixels, longer side <= 256), the last both decoded to a PIL image and
+  to a tensor (``decode="tensor"``, resized by torch, no PIL at all).
+
+Reported: samples/s (median over timed epochs; each pass over the rows makes a fresh loader,
+runs an untimed warm-up epoch, then back-to-back timed epochs with the workers kept: the steady
+rate of the storage and decoding, not worker start-up, which ``loader`` measures), the ratio
+to the image folder read by torch, and the bytes on disk of each. The page cache is warm: this
+is the decode and read-path cost, not the disk's.
+
+Run alone: ``python -m benchmarks.formats [tiny|quick|full]``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from torch.utils.data import DataLoader as TorchDataLoader
+from torch.utils.data import Dataset
+
+from benchmarks._photos import (
+    ImageFolderDataset,
+    ResizeCenterCrop,
+    folder_bytes,
+    image_folder,
+    packed,
+)
+
+SIZES = {
+    #        images, batch, passes, timed epochs per pass
+    "tiny": (32, 8, 1, 1),
+    "quick": (384, 64, 1, 3),
+    "full": (2048, 64, 2, 3),
+}
+WORKERS = 2
+MAX_SIDE = 256
+FORMATS = ("lmdb", "hdf5")
+STORES = ("encoded", "jpeg", "raw")
+MIB = 1024 * 1024
+
+
+def epoch_rates(loader: Iterable, epochs: int, warmup: int = 1) -> list[float]:
+    """Samples/s of each of ``epochs`` back-to-back epochs of ``loader``, after ``warmup``."""
+    rates = []
+    for epoch in range(warmup + epochs):
+        started = time.perf_counter()
+        samples = 0
+        for batch in loader:
+            samples += len(batch[1]) if isinstance(batch, (list, tuple)) else _length(batch)
+        if epoch >= warmup:
+            rates.append(samples / (time.perf_counter() - started))
+    return rates
+
+
+def _length(batch: Any) -> int:
+    if isinstance(batch, dict):
+        return len(next(iter(batch.values())))
+    return len(batch)
+
+
+def close_loader(loader: Any) -> None:
+    """Stop a loader's worker processes (fastloader's ``close``, or torch's iterator's)."""
+    if hasattr(loader, "close"):
+        loader.close()
+        return
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+    loader._iterator = None
+
+
+def fastloader_loader(dataset: Dataset, batch: int) -> Any:
+    """The fastloader.DataLoader every packed-format row reads with."""
+    from fastloader import DataLoader
+
+    return DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=WORKERS, seed=0)
+
+
+def torch_loader(dataset: Dataset, batch: int) -> TorchDataLoader:
+    """torch's DataLoader as the baseline reads (persistent workers: the steady read rate)."""
+    return TorchDataLoader(
+        dataset, batch_size=batch, shuffle=True, num_workers=WORKERS, persistent_workers=True
+    )
+
+
+def pack_dataset(path: Path, format: str, decode: str) -> Dataset:
+    """``LMDBDataset``/``HDF5Dataset`` over ``path`` with the benchmark's transform."""
+    from fastloader import HDF5Dataset, LMDBDataset
+
+    reader = {"lmdb": LMDBDataset, "hdf5": HDF5Dataset}[format]
+    return reader(path, transform=ResizeCenterCrop(), decode=decode)
+
+
+class _Case(NamedTuple):
+    labels: dict[str, str]  # reader, store, decode, loader
+    make_loader: Callable[[], Any]
+    size_bytes: int  # on disk
+
+
+def _cases(folder: Path, workdir: Path, batch: int) -> list[_Case]:
+    """Every row to measure, the baseline (image folder read by torch) first."""
+    folder_size = folder_bytes(folder)
+
+    def folder_case(loader: str, make: Callable[[Dataset, int], Any]) -> _Case:
+        labels = {
+            "reader": "image folder",
+            "store": "jpeg files",
+            "decode": "pil",
+            "loader": loader,
+        }
+        return _Case(
+            labels, lambda: make(ImageFolderDataset(folder, ResizeCenterCrop()), batch), folder_size
+        )
+
+    def pack_case(path: Path, format: str, store: str, decode: str) -> _Case:
+        labels = {"reader": format, "store": store, "decode": decode, "loader": "fastloader"}
+        return _Case(
+            labels,
+            lambda: fastloader_loader(pack_dataset(path, format, decode), batch),
+            path.stat().st_size,
+        )
+
+    cases = [folder_case("torch", torch_loader), folder_case("fastloader", fastloader_loader)]
+    for format in FORMATS:
+        for store in STORES:
+            path = packed(folder, workdir, format, store, MAX_SIDE)
+            for decode in ("pil", "tensor") if store == "raw" else ("pil",):
+                cases.append(pack_case(path, format, store, decode))
+    return cases
+
+
+def run(size: str, workdir: Path) -> dict:
+    """Run the format comparison at ``size`` ("tiny", "quick", "full") with data in workdir."""
+    images, batch, passes, epochs = SIZES[size]
+    folder = image_folder(workdir, images)
+    cases = _cases(folder, Path(workdir), batch)
+    rates: list[list[float]] = [[] for _ in cases]
+    for number in range(passes):
+        order = range(len(cases)) if number % 2 == 0 else reversed(range(len(cases)))
+        for index in order:  # alternate the order so that a drift in load hits rows evenly
+            loader = cases[index].make_loader()
+            try:
+                rates[index] += epoch_rates(loader, epochs)
+            finally:
+                close_loader(loader)
+    rows = [
+        {
+            **case.labels,
+            "samples_per_s": round(statistics.median(rate), 1),
+            "size_mib": round(case.size_bytes / MIB, 2),
+        }
+        for case, rate in zip(cases, rates, strict=True)
+    ]
+    baseline = rows[0]["samples_per_s"]
+    ratios = {}
+    for row in rows:
+        row["vs_image_folder"] = round(row["samples_per_s"] / baseline, 3)
+        if row is not rows[0]:
+            ratios[_key(row) + "_vs_image_folder"] = row["vs_image_folder"]
+    best_raw = max(row["vs_image_folder"] for row in rows if row["store"] == "raw")
+    return {
+        "comparison": "formats",
+        "config": {
+            "images": images,
+            "batch_size": batch,
+            "num_workers": WORKERS,
+            "passes": passes,
+            "timed_epochs_per_pass": epochs,
+            "output": [3, 224, 224],
+            "max_side": MAX_SIDE,
+        },
+        "rows": rows,
+        "ratios": ratios,
+        "notes": [
+            "samples/s: median over epochs; each pass: a fresh loader, a warm-up epoch, then "
+            "back-to-back timed epochs (persistent workers); warm page cache",
+            "raw/jpeg packs were made with max_side=256; decode=tensor resizes with torch (no PIL)",
+            f"goal: raw packs >= 5x the image folder; best raw here: {best_raw:.2f}x",
+        ],
+    }
+
+
+def _key(row: dict) -> str:
+    if row["reader"] == "image folder":
+        return f"image_folder_{row['loader']}"
+    suffix = "_tensor" if row["decode"] == "tensor" else ""
+    return f"{row['reader']}_{row['store']}{suffix}"
+
+
+if __name__ == "__main__":
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = run(sys.argv[1] if len(sys.argv) > 1 else "quick", Path(tmp))
+    for row in result["rows"]:
+        print(row)
+    print(json.dumps(result["ratios"], indent=2))

@@ -1,0 +1,229 @@
+"""Output of a suite run: a plain-text table, results.json, results.md and PNG plots.
+
+Every comparison's result is a dict with ``rows`` (a list of flat dicts: one table), optional
+further tables under keys ending in ``rows`` (``read_rows``), ``ratios`` (name -> ratio),
+``notes`` and ``skipped`` (None, or why the comparison did not run). Columns named ``vs_*``
+are ratios and print as ``1.23x``. Plots need matplotlib; without it they are skipped with a
+note.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+def format_value(key: str, value: Any) -> str:
+    """A table cell: ratios as ``1.23x``, other numbers with about three significant digits."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if key.startswith("vs_") or key.endswith("_over_start"):
+        return f"{value:.2f}x"
+    if isinstance(value, int) or not math.isfinite(value):
+        return str(value)
+    magnitude = abs(value)
+    if magnitude >= 100:
+        return f"{value:.0f}"
+    if magnitude >= 10:
+        return f"{value:.1f}"
+    if magnitude >= 1:
+        return f"{value:.2f}"
+    return f"{value:.3g}"
+
+
+def _ratio_key(key: str) -> str:
+    """The column-style key of a ratio name: ratios print as ``1.23x``, other values plainly."""
+    is_ratio = any(word in key for word in ("_vs_", "speedup", "_over_", "intervals"))
+    return "vs_" + key if is_ratio else key
+
+
+def _columns(rows: list[dict]) -> list[str]:
+    columns: list[str] = []
+    for row in rows:
+        columns += [key for key in row if key not in columns]
+    return columns
+
+
+def format_table(rows: list[dict], markdown: bool = False) -> str:
+    """Render ``rows`` as an aligned plain-text table, or a Markdown one."""
+    if not rows:
+        return ""
+    columns = _columns(rows)
+    cells = [[format_value(key, row.get(key)) for key in columns] for row in rows]
+    numeric = [
+        all(isinstance(row.get(key), (int, float)) or row.get(key) is None for row in rows)
+        for key in columns
+    ]
+    if markdown:
+        lines = ["| " + " | ".join(columns) + " |"]
+        lines.append("|" + "|".join("---:" if num else "---" for num in numeric) + "|")
+        lines += ["| " + " | ".join(line) + " |" for line in cells]
+        return "\n".join(lines)
+    widths = [
+        max(len(column), *(len(line[i]) for line in cells)) for i, column in enumerate(columns)
+    ]
+
+    def line(values: list[str]) -> str:
+        return "  ".join(
+            value.rjust(width) if num else value.ljust(width)
+            for value, width, num in zip(values, widths, numeric, strict=True)
+        ).rstrip()
+
+    return "\n".join(
+        [line(columns), line(["-" * width for width in widths])] + [line(c) for c in cells]
+    )
+
+
+def _tables(result: dict) -> list[tuple[str, list[dict]]]:
+    return [
+        (key, value)
+        for key, value in result.items()
+        if key.endswith("rows") and isinstance(value, list) and value
+    ]
+
+
+def render(results: dict, markdown: bool = False) -> str:
+    """The whole report: machine, then per comparison its tables, ratios, notes and skips."""
+    title = f"fastloader benchmarks, size {results['size']}"
+    machine = ", ".join(f"{key}: {value}" for key, value in results["machine"].items())
+    out = [f"# {title}" if markdown else title, "", machine]
+    for name, result in results["comparisons"].items():
+        seconds = result.get("seconds")
+        title = f"{name}: {result.get('title', '')}".rstrip(": ")
+        title = title.replace("``", "`" if markdown else "")
+        if seconds is not None:
+            title += f" ({seconds:.0f} s)"
+        out += ["", f"## {title}" if markdown else f"== {title}"]
+        if result.get("skipped"):
+            out.append(f"skipped: {result['skipped']}")
+            continue
+        if result.get("error"):
+            out.append(f"ERROR: {result['error'].strip().splitlines()[-1]}")
+            continue
+        for key, rows in _tables(result):
+            if key != "rows":
+                out += ["", f"{key.removesuffix('_rows').replace('_', ' ')}:"]
+            table = format_table(rows, markdown)
+            out += ["", table] if markdown else [table]
+        if result.get("ratios"):
+            out += ["", "ratios:"]
+            bullet = "- " if markdown else "  "
+            out += [
+                f"{bullet}{key}: {format_value(_ratio_key(key), value)}"
+                for key, value in result["ratios"].items()
+            ]
+        for key in ("peer_skipped",):
+            if result.get(key):
+                out += ["", f"{key.replace('_', ' ')}: {result[key]}"]
+        if result.get("notes"):
+            out += [""] + [f"{'- ' if markdown else '  note: '}{note}" for note in result["notes"]]
+    return "\n".join(out) + "\n"
+
+
+def write_json(results: dict, path: Path) -> None:
+    """Write ``results`` as indented JSON (NaN/inf are not JSON: they raise)."""
+    path.write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
+
+
+def write_plots(results: dict, out: Path) -> tuple[list[Path], str | None]:
+    """Write the PNG plots; return their paths and, if they were skipped, why."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return [], "plots skipped: matplotlib is not installed"
+    written = []
+    comparisons = results["comparisons"]
+    bars = _throughput_bars(comparisons)
+    if bars:
+        figure, axes = plt.subplots(
+            len(bars),
+            1,
+            figsize=(
+                9,
+                1.2 + 0.42 * sum(len(labels) for _, _, labels, _ in bars) + 0.6 * len(bars),
+            ),
+            squeeze=False,
+        )
+        for axis, (title, unit, labels, values) in zip(axes[:, 0], bars, strict=True):
+            axis.barh(range(len(values)), values, color="tab:blue")
+            axis.set_yticks(range(len(values)), labels, fontsize=8)
+            axis.invert_yaxis()
+            axis.set_xlabel(unit)
+            axis.set_title(title, fontsize=10)
+        figure.tight_layout()
+        written.append(out / "throughput.png")
+        figure.savefig(written[-1], dpi=110)
+        plt.close(figure)
+    epochs = comparisons.get("loader", {}).get("epochs")
+    if epochs:
+        figure, axis = plt.subplots(figsize=(7, 4))
+        for name, result in epochs.items():
+            times = [seconds * 1e3 for seconds in result["first_batch_s"]]
+            axis.plot(range(1, len(times) + 1), times, marker="o", label=name)
+        axis.set_yscale("log")
+        axis.set_xticks(range(1, 1 + max(len(r["first_batch_s"]) for r in epochs.values())))
+        axis.set_xlabel("epoch")
+        axis.set_ylabel("time to first batch (ms, log)")
+        axis.set_title("Time to the first batch of each epoch (2 workers)")
+        axis.legend()
+        figure.tight_layout()
+        written.append(out / "first_batch.png")
+        figure.savefig(written[-1], dpi=110)
+        plt.close(figure)
+    return written, None
+
+
+def _throughput_bars(comparisons: dict) -> list[tuple[str, str, list[str], list[float]]]:
+    """``(title, unit, labels, values)`` for each bar chart panel that has data."""
+    panels = []
+    formats = comparisons.get("formats", {}).get("rows") or []
+    if formats:
+        labels = [f"{r['reader']} {r['store']} ({r['decode']}, {r['loader']})" for r in formats]
+        panels.append(
+            (
+                "Read throughput, 2 workers, 224x224 (formats)",
+                "samples/s",
+                labels,
+                [r["samples_per_s"] for r in formats],
+            )
+        )
+    packing = comparisons.get("packing", {})
+    if packing.get("rows"):
+        labels = [f"{r['tool']} {r['format']} {r['store']}" for r in packing["rows"]]
+        panels.append(
+            (
+                "Packing throughput, 2 workers (packing)",
+                "images/s",
+                labels,
+                [r["images_per_s"] for r in packing["rows"]],
+            )
+        )
+    if packing.get("read_rows"):
+        rows = packing["read_rows"]
+        labels = [f"{r['tool']} {r['format']} {r['store']} ({r['decode']})" for r in rows]
+        panels.append(
+            (
+                "Read throughput vs litdata (packing)",
+                "samples/s",
+                labels,
+                [r["samples_per_s"] for r in rows],
+            )
+        )
+    loader = comparisons.get("loader", {}).get("rows") or []
+    if loader:
+        panels.append(
+            (
+                "Steady throughput with a training step (loader)",
+                "samples/s",
+                [r["loader"] for r in loader],
+                [r["steady_samples_per_s"] for r in loader],
+            )
+        )
+    return panels
