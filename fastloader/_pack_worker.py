@@ -16,7 +16,13 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from fastloader.formats import RecordKind, encode_record
-from fastloader.formats.images import check_image, decode_image, strict_decoding, to_rgb
+from fastloader.formats.images import (
+    check_image,
+    decode_image,
+    shrunk_size,
+    strict_decoding,
+    to_rgb,
+)
 
 
 @dataclass(frozen=True)
@@ -24,6 +30,7 @@ class Options:
     store: str
     quality: int
     max_side: int | None
+    short_side: int | None = None
 
 
 class Encoded(NamedTuple):
@@ -32,22 +39,20 @@ class Encoded(NamedTuple):
     reason: str | None  # why it was skipped
 
 
-def fit_within(image: Image.Image, max_side: int | None) -> Image.Image:
-    """Shrink ``image`` (bicubic) so its longer side is ``max_side``, keeping its aspect ratio.
+def fit_within(
+    image: Image.Image, max_side: int | None, short_side: int | None = None
+) -> Image.Image:
+    """Shrink ``image`` (bicubic) to fit ``max_side``/``short_side`` (see ``shrunk_size``).
 
-    Smaller images, and any with ``max_side=None``, are returned as they are: never upscaled.
+    Images already within the bounds, and any with no bound, are returned as they are.
     """
-    width, height = image.size
-    if max_side is None or max(width, height) <= max_side:
-        return image
-    scale = max_side / max(width, height)
-    size = (max(1, round(width * scale)), max(1, round(height * scale)))
-    return image.resize(size, Image.Resampling.BICUBIC)
+    size = shrunk_size(image.size, max_side, short_side)
+    return image if size == image.size else image.resize(size, Image.Resampling.BICUBIC)
 
 
 def encode_image(image: Image.Image, label: int, options: Options) -> bytes:
     """Return the record of a decoded image: RGB pixels, RGB JPEG, or (store encoded) RGB PNG."""
-    image = fit_within(to_rgb(image), options.max_side)
+    image = fit_within(to_rgb(image), options.max_side, options.short_side)
     if options.store == "raw":
         return encode_record(np.asarray(image), label, RecordKind.RAW)
     buffer = io.BytesIO()
@@ -64,7 +69,8 @@ def _encode_bytes(data: bytes, label: int, options: Options) -> bytes:
     if options.store == "encoded":
         check_image(data)
         return encode_record(data, label, RecordKind.ENCODED)
-    return encode_image(decode_image(data, options.max_side), label, options)
+    image = decode_image(data, options.max_side, options.short_side)
+    return encode_image(image, label, options)
 
 
 def _reason(error: BaseException) -> str:

@@ -3,7 +3,8 @@
 Usage::
 
     fastloader-pack SRC DST [--format lmdb|hdf5] [--store encoded|raw|jpeg] [--quality Q]
-                    [--max-side N] [--workers N] [--overwrite] [--strict] [--quiet]
+                    [--max-side N] [--short-side N] [--workers N] [--overwrite] [--strict]
+                    [--quiet]
     fastloader-pack --info PACK
 """
 
@@ -52,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --store raw/jpeg: shrink images so the longer side is at most N",
     )
     parser.add_argument(
+        "--short-side",
+        type=int,
+        metavar="N",
+        help="with --store raw/jpeg: shrink images so the shorter side is at most N",
+    )
+    parser.add_argument(
         "--workers", type=int, metavar="N", help="decoding processes (default: all usable CPUs)"
     )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing DST")
@@ -76,10 +83,11 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
         parser.error("--quality applies to --store jpeg")
     if args.quality is not None and not 1 <= args.quality <= 100:
         parser.error("--quality must be from 1 to 100")
-    if args.max_side is not None and args.store == "encoded":
-        parser.error("--max-side applies to --store raw or jpeg (encoded keeps the files)")
-    if args.max_side is not None and args.max_side < 1:
-        parser.error("--max-side must be a positive number of pixels")
+    for flag, value in (("--max-side", args.max_side), ("--short-side", args.short_side)):
+        if value is not None and args.store == "encoded":
+            parser.error(f"{flag} applies to --store raw or jpeg (encoded keeps the files)")
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be a positive number of pixels")
     if args.workers is not None and args.workers < 0:
         parser.error("--workers must be 0 or more")
     return args
@@ -145,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             store=args.store,
             quality=90 if args.quality is None else args.quality,
             max_side=args.max_side,
+            short_side=args.short_side,
             workers=args.workers,
             overwrite=args.overwrite,
             strict=args.strict,

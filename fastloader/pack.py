@@ -233,17 +233,20 @@ def _picklable(value: Any) -> bool:
     return True
 
 
-def _check_options(store: str, quality: int, max_side: int | None, format: str | None) -> None:
+def _check_options(
+    store: str, quality: int, max_side: int | None, short_side: int | None, format: str | None
+) -> None:
     if store not in STORE_MODES:
         raise ValueError(f"store must be one of {', '.join(STORE_MODES)}, got {store!r}")
     if format is not None and format not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
     if not isinstance(quality, int) or not 1 <= quality <= 100:
         raise ValueError(f"quality must be an int from 1 to 100, got {quality!r}")
-    if max_side is not None and store == "encoded":
-        raise ValueError("max_side needs store='raw' or 'jpeg' (store='encoded' keeps the files)")
-    if max_side is not None and (not isinstance(max_side, int) or max_side < 1):
-        raise ValueError(f"max_side must be a positive int, got {max_side!r}")
+    for name, value in (("max_side", max_side), ("short_side", short_side)):
+        if value is not None and store == "encoded":
+            raise ValueError(f"{name} needs store='raw' or 'jpeg' (encoded keeps the files)")
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def _check_target(target: Path, overwrite: bool) -> None:
@@ -286,6 +289,7 @@ def pack(
     store: str = "encoded",
     quality: int = 90,
     max_side: int | None = None,
+    short_side: int | None = None,
     workers: int | None = None,
     overwrite: bool = False,
     strict: bool = False,
@@ -310,6 +314,9 @@ def pack(
             ``"jpeg"`` RGB JPEG re-encoded at ``quality``. Pixels are converted to 8-bit RGB.
         quality: the JPEG quality for ``store="jpeg"`` (1-100).
         max_side: for ``raw`` and ``jpeg``, shrink images whose longer side is larger.
+        short_side: for ``raw`` and ``jpeg``, shrink images whose shorter side is larger (as
+            torchvision's ``Resize(n)``; store at the size you train at and reading needs no
+            resize). With both, images fit both; images are never enlarged.
         workers: processes that decode and encode; default all usable CPUs; 0 or 1 encode in
             this process, as does a dataset that cannot be pickled when workers do not fork.
         overwrite: replace an existing ``path``.
@@ -332,13 +339,13 @@ def pack(
         TypeError: if a dataset sample is not ``(image, int label)``, naming its index.
     """
     started = time.perf_counter()
-    _check_options(store, quality, max_side, format)
+    _check_options(store, quality, max_side, short_side, format)
     if workers is not None and workers < 0:
         raise ValueError(f"workers must be >= 0, got {workers}")
     target = Path(os.path.expanduser(os.fspath(path)))
     format = format or format_from_suffix(target)
     _check_target(target, overwrite)
-    options = Options(store, quality, max_side)
+    options = Options(store, quality, max_side, short_side)
     if isinstance(source, (str, os.PathLike)):
         if classes is not None:
             raise ValueError("classes= is for datasets: an image folder's classes are its folders")
@@ -352,6 +359,7 @@ def pack(
         "skipped": None,  # known at the end
         "created_by": "fastloader-pack",
         "max_side": max_side,
+        "short_side": short_side,
         "quality": quality if store == "jpeg" else None,
     }
     temp = target.with_name(f".{target.name}.partial-{os.getpid()}")

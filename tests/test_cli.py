@@ -50,6 +50,9 @@ def test_store_options_reach_the_pack(folder, tmp_path):
     assert (metadata["backend"], metadata["store"]) == ("hdf5", "jpeg")
     assert (metadata["info"]["quality"], metadata["info"]["max_side"]) == (70, 16)
     assert open_pack(target)[0][0].size == (16, 12)
+    target = tmp_path / "short.lmdb"
+    assert main([str(folder), str(target), "--store", "raw", "--short-side", "6", "-q"]) == 0
+    assert open_pack(target)[0][0].size == (8, 6)
 
 
 def test_format_option_overrides_the_suffix(folder, tmp_path, capsys):
@@ -132,6 +135,7 @@ def test_a_read_only_target_folder_exits_1(folder, tmp_path, capsys, monkeypatch
         ["s", "d.lmdb", "--quality", "50"],
         ["s", "d.lmdb", "--store", "jpeg", "--quality", "101"],
         ["s", "d.lmdb", "--max-side", "64"],
+        ["s", "d.lmdb", "--store", "raw", "--short-side", "0"],
         ["s", "d.lmdb", "--store", "png"],
         ["s", "d.lmdb", "--workers", "many"],
         ["--info", "x.lmdb", "extra"],

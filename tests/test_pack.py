@@ -169,6 +169,15 @@ def test_max_side_shrinks_keeping_the_aspect_ratio_and_never_enlarges(folder, tm
     assert read_metadata(tmp_path / "small.lmdb")["info"]["max_side"] == 16
 
 
+def test_short_side_shrinks_the_shorter_side_like_torchvision_resize(folder, tmp_path):
+    pack(folder, tmp_path / "short.h5", store="raw", short_side=12, workers=0)
+    assert {shape for _, _, shape, _ in records(tmp_path / "short.h5")} == {(12, 16, 3)}
+    assert read_metadata(tmp_path / "short.h5")["info"]["short_side"] == 12
+    assert fit_within(Image.new("RGB", (10, 40)), None, 5).size == (5, 20)
+    assert fit_within(Image.new("RGB", (10, 40)), 16, 5).size == (4, 16)  # both bounds hold
+    assert fit_within(Image.new("RGB", (10, 40)), None, 50).size == (10, 40)  # never enlarged
+
+
 # --- workers ---------------------------------------------------------------------------------
 
 
@@ -251,6 +260,8 @@ def test_summary_lists_at_most_twenty_skipped():
         ({"store": "jpeg", "quality": 0}, "quality"),
         ({"max_side": 64}, "max_side needs store='raw' or 'jpeg'"),
         ({"store": "raw", "max_side": 0}, "max_side must be a positive int"),
+        ({"short_side": 64}, "short_side needs store='raw' or 'jpeg'"),
+        ({"store": "jpeg", "short_side": -1}, "short_side must be a positive int"),
         ({"workers": -1}, "workers must be >= 0"),
     ],
 )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
 import warnings
 from collections.abc import Iterator
 
@@ -27,11 +26,32 @@ def strict_decoding() -> Iterator[None]:
         ImageFile.LOAD_TRUNCATED_IMAGES = saved
 
 
-def decode_image(data: bytes, max_side: int | None = None) -> Image.Image:
+def shrunk_size(
+    size: tuple[int, int], max_side: int | None = None, short_side: int | None = None
+) -> tuple[int, int]:
+    """The (width, height) that fits ``size`` within both bounds, keeping the aspect ratio.
+
+    ``max_side`` bounds the longer side, ``short_side`` the shorter one (torchvision's
+    ``Resize(n)``); images are only ever shrunk.
+    """
+    width, height = size
+    scale = 1.0
+    if max_side is not None:
+        scale = min(scale, max_side / max(width, height))
+    if short_side is not None:
+        scale = min(scale, short_side / min(width, height))
+    if scale >= 1.0:
+        return size
+    return max(1, round(width * scale)), max(1, round(height * scale))
+
+
+def decode_image(
+    data: bytes, max_side: int | None = None, short_side: int | None = None
+) -> Image.Image:
     """Open image file bytes and decode every pixel.
 
-    With ``max_side``, a JPEG is decoded at the smallest DCT scale (1/2, 1/4 or 1/8) that keeps
-    its longer side at least ``max_side`` pixels: every byte of the file is still decoded, so
+    Given a size bound (see ``shrunk_size``), a JPEG is decoded at the smallest DCT scale (1/2,
+    1/4 or 1/8) that is still at least that size: every byte of the file is still decoded, so
     truncation is still found, at a fraction of the cost. Other formats decode in full.
 
     Raises:
@@ -41,10 +61,8 @@ def decode_image(data: bytes, max_side: int | None = None) -> Image.Image:
     """
     with strict_decoding():
         image = Image.open(io.BytesIO(data))
-        if max_side is not None:
-            width, height = image.size
-            scale = min(1.0, max_side / max(width, height))
-            image.draft(None, (math.ceil(width * scale), math.ceil(height * scale)))
+        if max_side is not None or short_side is not None:
+            image.draft(None, shrunk_size(image.size, max_side, short_side))
         image.load()
     return image
 
