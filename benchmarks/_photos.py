@@ -224,16 +224,16 @@ class ResizeCenterCrop:
 
 
 def packed(
-    folder: Path, workdir: str | os.PathLike, format: str, store: str, max_side: int | None
+    folder: Path, workdir: str | os.PathLike, format: str, store: str, short_side: int | None
 ) -> Any:
     """The path of the fastloader pack of ``folder`` in ``format``/``store`` (made once, reused).
 
-    ``max_side`` applies to the ``raw`` and ``jpeg`` stores; ``encoded`` keeps the files as is.
+    ``short_side`` applies to the ``raw`` and ``jpeg`` stores; ``encoded`` keeps the files as is.
     """
     suffix = {"lmdb": ".lmdb", "hdf5": ".h5"}[format]
-    side = None if store == "encoded" else max_side
+    side = None if store == "encoded" else short_side
     path = Path(workdir) / "packs" / f"{folder.name}-{store}-{side}{suffix}"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        pack(folder, path, store=store, max_side=side, workers=2, progress=False)
+        pack(folder, path, store=store, short_side=side, workers=2, progress=False)
     return path
