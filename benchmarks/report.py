@@ -220,7 +220,7 @@ def _throughput_bars(comparisons: dict) -> list[tuple[str, str, list[str], list[
     if loader:
         panels.append(
             (
-                "Steady throughput with a training step (loader)",
+                "Steady throughput, no training step (loader)",
                 "samples/s",
                 [r["loader"] for r in loader],
                 [r["steady_samples_per_s"] for r in loader],
