@@ -160,7 +160,7 @@ def _fastloader_packs(folder: Path, workdir: Path, repeats: int) -> tuple[list[d
                     path,
                     store=store,
                     max_side=None if store == "encoded" else MAX_SIDE,
-                    workers=WORKERS,
+                    workers=None,  # the default: 2 here, none for "encoded" (files only checked)
                     overwrite=True,
                     progress=False,
                 )
@@ -258,9 +258,10 @@ def run(size: str, workdir: Path) -> dict:
         "ratios": ratios,
         "peer_skipped": peer_skipped,
         "notes": [
-            "images/s: pack of the whole folder (scan, decode/encode in 2 workers, write, sync)",
+            "images/s: pack of the whole folder (scan, check or decode/encode, write, sync) with "
+            "pack()'s default workers: 2 for raw/jpeg, none for encoded (files are only checked)",
             "litdata optimize: start_method='fork' (its default, spawn, adds seconds of start-up)"
-            "; 'encoded' stores the bytes unchecked, fastloader decodes each to check it",
+            "; 'encoded' stores the bytes unchecked, fastloader checks each file",
             "read: samples/s, median over epochs after a warm-up epoch, persistent workers",
         ],
     }

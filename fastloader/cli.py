@@ -59,7 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --store raw/jpeg: shrink images so the shorter side is at most N",
     )
     parser.add_argument(
-        "--workers", type=int, metavar="N", help="decoding processes (default: all usable CPUs)"
+        "--workers",
+        type=int,
+        metavar="N",
+        help="decoding processes (default: all usable CPUs; none for --store encoded, whose "
+        "files are only checked)",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     parser.add_argument(
