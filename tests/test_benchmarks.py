@@ -66,7 +66,8 @@ def test_tiny_run_reports_every_comparison(tiny_results: tuple[dict, Path]) -> N
             assert isinstance(result["skipped"], str) and result["skipped"], name
             continue
         assert result["rows"], f"{name} has no rows"
-        assert result["ratios"], f"{name} has no ratios"
+        # packing's ratios are against litdata: without it, they are skipped with a reason
+        assert result["ratios"] or result.get("peer_skipped"), f"{name} has no ratios"
     assert (out / "results.md").read_text().startswith("# fastloader benchmarks, size tiny")
     assert not (out / "work").exists(), "the generated data should be removed"
 
