@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fastloader.formats.base import DECODE_MODES, PackedDataset, decode_image
+from fastloader.formats.base import DECODE_MODES, PackedDataset, PackWriter, decode_image
 from fastloader.formats.hdf5 import HDF5Dataset, HDF5Writer
 from fastloader.formats.lmdb import LMDBDataset, LMDBWriter
 from fastloader.formats.records import (
@@ -31,6 +31,7 @@ __all__ = [
     "LMDBWriter",
     "PackError",
     "PackedDataset",
+    "PackWriter",
     "Record",
     "RecordKind",
     "decode_image",

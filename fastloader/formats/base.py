@@ -18,7 +18,14 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from fastloader.formats.images import to_rgb
-from fastloader.formats.records import PackError, Record, RecordKind, decode_record
+from fastloader.formats.records import (
+    PackError,
+    Record,
+    RecordKind,
+    decode_record,
+    dump_metadata,
+    make_metadata,
+)
 
 DECODE_MODES = ("pil", "tensor", "numpy", "bytes")
 
@@ -234,3 +241,69 @@ def _decoding(where: str) -> Iterator[None]:
         yield
     except (OSError, SyntaxError, ValueError) as error:  # what PIL raises for a bad image
         raise PackError(f"{where}: stored image does not decode ({error})") from error
+
+
+class PackWriter:
+    """Base of the packed-file writers: records in, one pack file out, complete at ``close()``.
+
+    Args:
+        path: the file to write (must not exist).
+        store: the store mode recorded in the metadata ("encoded", "raw" or "jpeg").
+        classes: class names, indexed by label.
+        info: extra JSON-able facts to keep in the metadata (source, options, ...).
+
+    The ``store``, ``classes`` and ``info`` attributes are read when ``close()`` writes the
+    metadata, so a caller can still add what it learns while writing (such as a skipped count).
+    Subclasses implement ``append``, ``close`` and ``abort``.
+
+    Raises:
+        FileExistsError: if ``path`` exists.
+        TypeError: if ``info`` holds something JSON cannot.
+    """
+
+    backend = ""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        store: str,
+        classes: Sequence[str],
+        info: dict | None = None,
+    ) -> None:
+        self.path = Path(path)
+        if self.path.exists():
+            raise FileExistsError(f"{self.path}: already exists")
+        self.store = store
+        self.classes = list(classes)
+        self.info = dict(info or {})
+        self.count = 0  # records appended so far
+        self.bytes_written = 0
+        self.metadata_json()  # fail before writing anything if the metadata cannot be stored
+
+    def metadata_json(self) -> bytes:
+        """The metadata, as JSON, of the records appended so far."""
+        return dump_metadata(
+            make_metadata(self.backend, self.store, self.count, self.classes, self.info)
+        )
+
+    def append(self, record: bytes, label: int) -> None:
+        """Add the next record (index ``count``) with its label."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Write what is left and the metadata, last: the pack is then complete."""
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        """Close without metadata: the file never opens as a complete pack."""
+        raise NotImplementedError
+
+    def __enter__(self) -> PackWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()

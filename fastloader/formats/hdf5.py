@@ -19,18 +19,15 @@ import tempfile
 from array import array
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import h5py
 import numpy as np
 
-from fastloader.formats.base import PackedDataset
+from fastloader.formats.base import PackedDataset, PackWriter
 from fastloader.formats.records import (
     PackError,
     check_targets,
-    dump_metadata,
     load_metadata,
-    make_metadata,
 )
 
 _METADATA_ATTR = "fastloader"
@@ -122,19 +119,10 @@ class _Handle:
         self.file.close()
 
 
-class HDF5Writer:
+class HDF5Writer(PackWriter):
     """Writes an HDF5 pack to exactly ``path``; the file is complete only after ``close()``.
 
-    Args:
-        path: the file to write (must not exist).
-        store: the store mode recorded in the metadata ("encoded", "raw" or "jpeg").
-        classes: class names, indexed by label.
-        info: extra JSON-able facts to keep in the metadata (source, options, ...). The
-            ``store``, ``classes`` and ``info`` attributes are read when ``close()`` writes the
-            metadata.
-
-    Raises:
-        FileExistsError: if ``path`` exists.
+    Arguments and errors as ``PackWriter``.
     """
 
     backend = "hdf5"
@@ -147,22 +135,14 @@ class HDF5Writer:
         classes: Sequence[str],
         info: dict | None = None,
     ) -> None:
-        self.path = Path(path)
-        # Read by close(), so a caller can still add what it learns while writing.
-        self.store = store
-        self.classes = list(classes)
-        self.info = dict(info or {})
-        dump_metadata(make_metadata(self.backend, store, 0, classes, info))  # fail early
+        super().__init__(path, store=store, classes=classes, info=info)
         self._file = h5py.File(self.path, "x")  # "x" raises FileExistsError
         # Records are spooled here until close(): see NOTE [ Contiguous HDF5 records ].
         self._spool = tempfile.TemporaryFile(dir=self.path.parent, prefix=f".{self.path.name}.")
         self._offsets = array("q", [0])
         self._labels = array("q")
-        self.count = 0
-        self.bytes_written = 0
 
     def append(self, record: bytes, label: int) -> None:
-        """Add the next record (index ``count``) with its label."""
         self._spool.write(record)
         self.bytes_written += len(record)
         self._offsets.append(self.bytes_written)
@@ -180,20 +160,10 @@ class HDF5Writer:
         self._spool.close()
         self._file.create_dataset("offsets", data=np.frombuffer(self._offsets, dtype=np.int64))
         self._file.create_dataset("targets", data=np.frombuffer(self._labels, dtype=np.int64))
-        metadata = make_metadata(self.backend, self.store, self.count, self.classes, self.info)
-        self._file.attrs[_METADATA_ATTR] = dump_metadata(metadata).decode()
+        self._file.attrs[_METADATA_ATTR] = self.metadata_json().decode()
         self._file.close()
 
     def abort(self) -> None:
         """Close without metadata: the file never opens as a complete pack."""
         self._spool.close()
         self._file.close()
-
-    def __enter__(self) -> HDF5Writer:
-        return self
-
-    def __exit__(self, exc_type: Any, *rest: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()

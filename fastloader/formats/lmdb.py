@@ -11,18 +11,15 @@ import struct
 from array import array
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import lmdb
 import numpy as np
 
-from fastloader.formats.base import PackedDataset
+from fastloader.formats.base import PackedDataset, PackWriter
 from fastloader.formats.records import (
     PackError,
     check_targets,
-    dump_metadata,
     load_metadata,
-    make_metadata,
 )
 
 _METADATA_KEY = b"__metadata__"
@@ -139,19 +136,10 @@ class LMDBDataset(PackedDataset):
             return [use(index, txn.get(_key(index))) for index in indices]
 
 
-class LMDBWriter:
+class LMDBWriter(PackWriter):
     """Writes an LMDB pack to exactly ``path``; the file is complete only after ``close()``.
 
-    Args:
-        path: the file to write (must not exist).
-        store: the store mode recorded in the metadata ("encoded", "raw" or "jpeg").
-        classes: class names, indexed by label.
-        info: extra JSON-able facts to keep in the metadata (source, options, ...). The
-            ``store``, ``classes`` and ``info`` attributes are read when ``close()`` writes the
-            metadata.
-
-    Raises:
-        FileExistsError: if ``path`` exists.
+    Arguments and errors as ``PackWriter``.
     """
 
     backend = "lmdb"
@@ -164,25 +152,15 @@ class LMDBWriter:
         classes: Sequence[str],
         info: dict | None = None,
     ) -> None:
-        self.path = Path(path)
-        if self.path.exists():
-            raise FileExistsError(f"{self.path}: already exists")
-        # Read by close(), so a caller can still add what it learns while writing.
-        self.store = store
-        self.classes = list(classes)
-        self.info = dict(info or {})
-        dump_metadata(make_metadata(self.backend, store, 0, classes, info))  # fail early
+        super().__init__(path, store=store, classes=classes, info=info)
         self._env = lmdb.open(
             str(self.path), subdir=False, map_size=_MAP_SIZE, lock=False, sync=False, meminit=False
         )
         self._txn = self._env.begin(write=True)
         self._pending = 0
         self._labels = array("q")
-        self.count = 0
-        self.bytes_written = 0
 
     def append(self, record: bytes, label: int) -> None:
-        """Add the next record (index ``count``) with its label."""
         self._txn.put(_key(self.count), record, append=True)
         self._labels.append(int(label))
         self.count += 1
@@ -195,10 +173,9 @@ class LMDBWriter:
 
     def close(self) -> None:
         """Write the labels and metadata, sync and close: the pack is then complete."""
-        metadata = make_metadata(self.backend, self.store, self.count, self.classes, self.info)
         labels = np.frombuffer(self._labels, dtype=np.int64).astype("<i8")
         self._txn.put(_TARGETS_KEY, labels.tobytes())
-        self._txn.put(_METADATA_KEY, dump_metadata(metadata))
+        self._txn.put(_METADATA_KEY, self.metadata_json())
         self._txn.commit()
         self._env.sync(True)
         self._env.close()
@@ -207,12 +184,3 @@ class LMDBWriter:
         """Close without metadata: the file never opens as a complete pack."""
         self._txn.abort()
         self._env.close()
-
-    def __enter__(self) -> LMDBWriter:
-        return self
-
-    def __exit__(self, exc_type: Any, *rest: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
