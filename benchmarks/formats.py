@@ -17,13 +17,12 @@ rate of the storage and decoding, not worker start-up, which ``loader`` measures
 to the image folder read by torch, and the bytes on disk of each. The page cache is warm: this
 is the decode and read-path cost, not the disk's.
 
-Run alone: ``python -m benchmarks.formats [tiny|quick|full]``.
+Run alone: ``python -m benchmarks --only formats``.
 """
 
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -200,14 +199,3 @@ def _key(row: dict) -> str:
         return f"image_folder_{row['loader']}"
     suffix = "_tensor" if row["decode"] == "tensor" else ""
     return f"{row['reader']}_{row['store']}{suffix}"
-
-
-if __name__ == "__main__":
-    import json
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        result = run(sys.argv[1] if len(sys.argv) > 1 else "quick", Path(tmp))
-    for row in result["rows"]:
-        print(row)
-    print(json.dumps(result["ratios"], indent=2))

@@ -12,13 +12,12 @@ backward, SGD) runs on:
 
 Steps/s and the ratio of each to ``synthetic`` are reported (the goal is >= 0.95 where the
 CPU side keeps up: the data here is in memory, so it does). Without CUDA the comparison is
-skipped. Run alone: ``python -m benchmarks.gpu_step [tiny|quick|full]``.
+skipped. Run alone: ``python -m benchmarks --only gpu_step``.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -201,14 +200,3 @@ def run(size: str, workdir: Path) -> dict:
     if not torch.cuda.is_available():
         return dict(SKIPPED)
     return _compare(size, torch.device("cuda", torch.cuda.current_device()))
-
-
-if __name__ == "__main__":
-    import json
-
-    result = run(sys.argv[1] if len(sys.argv) > 1 else "quick", Path("."))
-    if result.get("skipped"):
-        print(json.dumps(result))
-    for row in result["rows"]:
-        print(row)
-    print(json.dumps(result["ratios"], indent=2))

@@ -8,7 +8,7 @@ dataset does), with a consumer that spends a fixed time per batch like a trainin
 - a dataset that pays a start-up cost in every new worker (like opening a large file),
 - the per-sample cost of fastloader's seeding.
 
-Run alone: ``python -m benchmarks.loader``.
+Run alone: ``python -m benchmarks --only loader``.
 """
 
 from __future__ import annotations
@@ -235,13 +235,3 @@ def run(size: str, workdir: Path) -> dict:
             "first batch of epochs 2..N, median; batch interval: the step as seen by training",
         ],
     }
-
-
-if __name__ == "__main__":
-    import json
-
-    result = run("quick", Path("."))
-    for row in result["rows"]:
-        print(row)
-    print(json.dumps(result["ratios"], indent=2))
-    print(json.dumps(result["seeding"], indent=2))

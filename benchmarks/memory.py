@@ -15,14 +15,13 @@ The metric is the worker's *private dirty* memory (``Private_Dirty`` of
 unlike USS, leaves out the clean page cache of a memory-mapped file (LMDB's reads). RSS is
 reported too. Without ``/proc`` (not Linux) psutil's USS is used if psutil is installed.
 
-Run alone: ``python -m benchmarks.memory [tiny|quick|full]``.
+Run alone: ``python -m benchmarks --only memory``.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -160,14 +159,3 @@ def run(size: str, workdir: Path) -> dict:
             "runs show little of it",
         ],
     }
-
-
-if __name__ == "__main__":
-    import json
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        result = run(sys.argv[1] if len(sys.argv) > 1 else "quick", Path(tmp))
-    for row in result["rows"]:
-        print(row)
-    print(json.dumps(result["ratios"], indent=2))

@@ -14,7 +14,7 @@ against ``fastloader.DataLoader`` over ``LMDBDataset``, 2 workers, batch 64, shu
 litdata is optional (``pip install --no-deps litdata``): when it cannot be imported or fails,
 its rows are left out and ``peer_skipped`` says why; fastloader's rows are still reported.
 
-Run alone: ``python -m benchmarks.packing [tiny|quick|full]``.
+Run alone: ``python -m benchmarks --only packing``.
 """
 
 from __future__ import annotations
@@ -282,14 +282,3 @@ def _ratios(rows: list[dict], read_rows: list[dict]) -> dict[str, float]:
             row["vs_litdata"] = round(ratio, 3)
             ratios[f"read_lmdb_{row['store']}_vs_litdata"] = row["vs_litdata"]
     return ratios
-
-
-if __name__ == "__main__":
-    import json
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        result = run(sys.argv[1] if len(sys.argv) > 1 else "quick", Path(tmp))
-    for row in result["rows"] + result["read_rows"]:
-        print(row)
-    print(json.dumps(result["ratios"], indent=2), result["peer_skipped"])
