@@ -254,7 +254,7 @@ class PackWriter:
 
     The ``store``, ``classes`` and ``info`` attributes are read when ``close()`` writes the
     metadata, so a caller can still add what it learns while writing (such as a skipped count).
-    Subclasses implement ``append``, ``close`` and ``abort``.
+    Subclasses implement ``_open``, ``append``, ``close`` and ``abort``.
 
     Raises:
         FileExistsError: if ``path`` exists.
@@ -280,6 +280,11 @@ class PackWriter:
         self.count = 0  # records appended so far
         self.bytes_written = 0
         self.metadata_json()  # fail before writing anything if the metadata cannot be stored
+        self._open()
+
+    def _open(self) -> None:
+        """Create the file at ``path`` and whatever writing needs."""
+        raise NotImplementedError
 
     def metadata_json(self) -> bytes:
         """The metadata, as JSON, of the records appended so far."""

@@ -127,15 +127,7 @@ class HDF5Writer(PackWriter):
 
     backend = "hdf5"
 
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        *,
-        store: str,
-        classes: Sequence[str],
-        info: dict | None = None,
-    ) -> None:
-        super().__init__(path, store=store, classes=classes, info=info)
+    def _open(self) -> None:
         self._file = h5py.File(self.path, "x")  # "x" raises FileExistsError
         # Records are spooled here until close(): see NOTE [ Contiguous HDF5 records ].
         self._spool = tempfile.TemporaryFile(dir=self.path.parent, prefix=f".{self.path.name}.")

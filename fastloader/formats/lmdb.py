@@ -144,15 +144,7 @@ class LMDBWriter(PackWriter):
 
     backend = "lmdb"
 
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        *,
-        store: str,
-        classes: Sequence[str],
-        info: dict | None = None,
-    ) -> None:
-        super().__init__(path, store=store, classes=classes, info=info)
+    def _open(self) -> None:
         self._env = lmdb.open(
             str(self.path), subdir=False, map_size=_MAP_SIZE, lock=False, sync=False, meminit=False
         )
