@@ -37,6 +37,7 @@ loaded), the prefetched batches are drained with torch's own reset and loading r
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import time
 from collections.abc import Callable, Iterator
@@ -49,22 +50,29 @@ from torch.utils.data.dataloader import (
     _SingleProcessDataLoaderIter,
 )
 
-from fastloader.samplers import EpochShuffleSampler
+from fastloader.samplers import EpochShuffleSampler, set_epoch_unrecorded
 from fastloader.seeding import RNGStateSwap, SeededDataset, SeededIterableDataset, Task
 
 _END = object()
 
 
 def set_sampler_epoch(loader: Any, epoch: int) -> None:
-    """Call ``set_epoch(epoch)`` on the loader's sampler and batch sampler that have it."""
-    seen: list[Any] = []
+    """Call ``set_epoch(epoch)`` on the loader's sampler and batch sampler that have it.
+
+    The calls are the loader's own: they are not taken as a user's request (see NOTE [ A
+    user's set_epoch wins ] in ``samplers.py``).
+    """
+    for sampler in _samplers_with_set_epoch(loader):
+        set_epoch_unrecorded(sampler, epoch)
+
+
+def _samplers_with_set_epoch(loader: Any) -> list[Any]:
+    found: list[Any] = []
     batch_sampler = getattr(loader, "batch_sampler", None)
     for sampler in (loader.sampler, batch_sampler, getattr(batch_sampler, "sampler", None)):
-        if sampler is None or any(sampler is s for s in seen):
-            continue
-        seen.append(sampler)
-        if callable(getattr(sampler, "set_epoch", None)):
-            sampler.set_epoch(epoch)
+        if callable(getattr(sampler, "set_epoch", None)) and all(sampler is not s for s in found):
+            found.append(sampler)
+    return found
 
 
 def order_is_predictable(loader: Any) -> bool:
@@ -81,39 +89,70 @@ def order_is_predictable(loader: Any) -> bool:
     return callable(getattr(sampler, "set_epoch", None))
 
 
+def _indices_from(index_sampler: Any, batched: bool, skip: int) -> Iterator[Any]:
+    """The index sampler's items of the current epoch, from position ``skip`` on.
+
+    ``skip`` counts samples of the sampler's order (global samples for
+    ``ElasticDistributedSampler``), except for a batch sampler of the user's, whose batches
+    cannot be re-cut: there it counts batches. See NOTE [ Resume is exact or refused ].
+    """
+    if skip == 0:
+        return iter(index_sampler)
+    custom_batches = batched and type(index_sampler) is not BatchSampler
+    if custom_batches:
+        return itertools.islice(iter(index_sampler), skip, None)
+    sampler = index_sampler.sampler if batched else index_sampler
+    if callable(getattr(sampler, "iter_from", None)):
+        stream = sampler.iter_from(skip)
+    else:
+        stream = itertools.islice(iter(sampler), skip, None)
+    if not batched:
+        return stream
+    return iter(BatchSampler(stream, index_sampler.batch_size, index_sampler.drop_last))
+
+
 class _EpochSchedule:
     """Hands out ``Task``s (epoch + indices) one epoch after another, one task ahead.
+
+    ``start(epoch, skip)`` begins ``epoch`` at position ``skip`` of its order: samples (global
+    samples with ``distributed=True``), or batches for a user's batch sampler (see
+    ``_indices_from``). ``lengths[e]`` is where a consumer's count of delivered tasks ends
+    epoch ``e`` when it counts from ``skip`` for the started epoch (and from 0 for the epochs
+    after it): ``skip`` plus the number of tasks of the epoch sent from there.
 
     It holds no reference to the loader, so a loader and its workers can be collected.
     """
 
-    def __init__(self, index_sampler: Any, set_epoch: Callable[[int], None], may_cross: bool):
+    def __init__(
+        self,
+        index_sampler: Any,
+        set_epoch: Callable[[int], None],
+        may_cross: bool,
+        batched: bool = True,
+    ):
         self._index_sampler = index_sampler
         self._set_epoch = set_epoch
+        self._batched = batched
         self.may_cross = may_cross
-        self.lengths: dict[int, int] = {}  # epoch -> number of tasks, once known
+        self.lengths: dict[int, int] = {}  # epoch -> where its count of tasks ends, once known
         self.epoch = -1  # the epoch tasks are being sent for
         self._indices: Iterator[Any] = iter(())
         self._next: Any = _END
         self._sent = 0
 
     def start(self, epoch: int, skip: int = 0) -> None:
-        """Send tasks of ``epoch`` from its ``skip``-th task on, dropping anything pending."""
-        self._open(epoch)
-        for _ in range(skip):
-            if self._next is _END:
-                break
-            self._advance()
+        """Send tasks of ``epoch`` from position ``skip`` on, dropping anything pending."""
+        self._open(epoch, skip)
 
-    def _open(self, epoch: int) -> None:
+    def _open(self, epoch: int, skip: int = 0) -> None:
         self.epoch = epoch
-        self._sent = 0
+        self._sent = skip
         self.lengths.pop(epoch, None)
         self._set_epoch(epoch)
-        self._indices = iter(self._index_sampler)
+        self._indices = _indices_from(self._index_sampler, self._batched, skip)
         self._next = next(self._indices, _END)
         if self._next is _END:
-            self.lengths[epoch] = 0
+            self.lengths[epoch] = skip
 
     def _advance(self) -> Any:
         current = self._next
@@ -137,16 +176,11 @@ class _EpochSchedule:
 def _schedule_for(loader: Any, may_cross: bool) -> _EpochSchedule:
     def set_epoch(epoch: int) -> None:
         for sampler in samplers:
-            sampler.set_epoch(epoch)
+            set_epoch_unrecorded(sampler, epoch)
 
-    samplers = []
-    batch_sampler = loader.batch_sampler
-    for sampler in (loader.sampler, batch_sampler, getattr(batch_sampler, "sampler", None)):
-        if callable(getattr(sampler, "set_epoch", None)) and all(
-            sampler is not s for s in samplers
-        ):
-            samplers.append(sampler)
-    return _EpochSchedule(loader._index_sampler, set_epoch, may_cross)
+    samplers = _samplers_with_set_epoch(loader)
+    batched = loader.batch_sampler is not None
+    return _EpochSchedule(loader._index_sampler, set_epoch, may_cross, batched)
 
 
 class _WorkerInit:

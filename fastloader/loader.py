@@ -12,12 +12,12 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import DistributedSampler, IterableDataset
 
-from fastloader._iterators import SingleProcessIter, WorkerPoolIter
-from fastloader.samplers import EpochShuffleSampler
+from fastloader._iterators import SingleProcessIter, WorkerPoolIter, _samplers_with_set_epoch
+from fastloader._resume import build_state, resume_point, validate_state
+from fastloader.distributed import ElasticDistributedSampler
+from fastloader.samplers import EpochShuffleSampler, RecordedSetEpoch, record_set_epoch
 from fastloader.seeding import resolve_seed
 from fastloader.stats import LoaderStats
-
-_STATE_VERSION = 1
 
 
 def resolve_num_workers(num_workers: int | str) -> int:
@@ -119,7 +119,7 @@ class DataLoader(TorchDataLoader):
 
         if distributed:
             sampler = _distributed_sampler(
-                dataset, shuffle, sampler, batch_sampler, seed, drop_last
+                dataset, shuffle, sampler, batch_sampler, seed, drop_last, batch_size
             )
             shuffle = None
         elif shuffle and is_map_style and sampler is None and batch_sampler is None:
@@ -153,31 +153,60 @@ class DataLoader(TorchDataLoader):
         self.stats = LoaderStats()
         self.epoch = 0
         self._epoch_started = False  # whether self.epoch has started (else it is next)
-        self._consumed = 0  # batches of self.epoch handed to the user
+        self._consumed = 0  # batches of self.epoch handed to the user by this iteration
         self._epoch_complete = False
-        self._resume_skip = 0
+        self._start_position = 0  # where this iteration started in self.epoch's order
+        self._resume_position = 0  # where the next iteration starts, if it is self.epoch
+        self._epoch_requests = _record_set_epoch_calls(self)
         self._resolved_device = resolved_device
         self._pool: WorkerPoolIter | None = None
 
     # -- epochs -------------------------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next iteration epoch ``epoch`` (samplers get it via their ``set_epoch``)."""
+        """Make the next iteration epoch ``epoch``, from its start.
+
+        Samplers get it through their ``set_epoch``. Calling ``set_epoch`` on the sampler
+        itself does the same (see NOTE [ A user's set_epoch wins ] in ``samplers.py``); the
+        last call of either wins.
+
+        Raises:
+            ValueError: for anything but a non-negative int.
+        """
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
+        self._take_epoch_request()
         self.epoch = epoch
         self._epoch_started = False
-        self._resume_skip = 0
+        self._resume_position = 0
+
+    def _take_epoch_request(self) -> int | None:
+        """The epoch of the last ``sampler.set_epoch`` call made by the user, if any."""
+        requested = None
+        for recorder in self._epoch_requests:
+            if requested is None and recorder.requested is not None:
+                requested = recorder.requested
+            recorder.requested = None
+        if requested is not None and (
+            isinstance(requested, bool) or not isinstance(requested, int) or requested < 0
+        ):
+            raise ValueError(f"sampler.set_epoch got {requested!r}: epochs are non-negative ints")
+        return requested
 
     def _next_epoch(self) -> tuple[int, int]:
+        requested = self._take_epoch_request()
         if self._epoch_started:
             self.epoch += 1
-            self._resume_skip = 0
-        skip, self._resume_skip = self._resume_skip, 0
+            self._resume_position = 0
+        if requested is not None and requested != self.epoch:
+            self.epoch = requested  # the user's own counter wins
+            self._resume_position = 0
+        position, self._resume_position = self._resume_position, 0
         self._epoch_started = True
-        self._consumed = skip
+        self._start_position = position
+        self._consumed = 0
         self._epoch_complete = False
-        return self.epoch, skip
+        return self.epoch, position
 
     def __iter__(self) -> Iterator[Any]:
         epoch, skip = self._next_epoch()
@@ -229,37 +258,43 @@ class DataLoader(TorchDataLoader):
     # -- resume -------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the loader is: small and JSON-able (seed, epoch, batches consumed)."""
-        return {
-            "fastloader_state_version": _STATE_VERSION,
-            "seed": self.seed,
-            "epoch": self.epoch,
-            "epoch_started": self._epoch_started,
-            "batches_consumed": self._consumed if self._epoch_started else 0,
-            "epoch_complete": self._epoch_complete,
-        }
+        """Where the loader is, and what decides its order: small (O(1)) and JSON-able.
+
+        The position is counted in samples of the epoch's order (global samples with
+        ``distributed=True``, the same on every rank that took the same number of steps), so
+        the state resumes a loader with another ``batch_size``, ``num_workers`` or world size.
+        See NOTE [ Resume is exact or refused ] in ``_resume.py``.
+        """
+        return build_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state``: the next iteration yields the batches that were still due.
+        """Continue from ``state``: the next iteration yields exactly the samples still due.
+
+        The seed is taken from the state. A state taken at an epoch boundary continues with
+        the next epoch whatever the settings; in the middle of an epoch the order must be the
+        same (dataset length, sampler kind, shuffle, drop_last, and for torch's
+        DistributedSampler the world size and rank). Version-1 states are still read.
 
         Raises:
-            ValueError: if ``state`` is not a state of this loader class or is malformed.
+            ValueError: if ``state`` is not a fastloader state, is malformed, or cannot be
+                resumed exactly by this loader (naming the field that differs).
         """
-        _validate_state(state)
+        epoch, position = resume_point(state, self)
         self.seed = state["seed"]
         for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
-            if isinstance(sampler, (EpochShuffleSampler, DistributedSampler)):
+            if isinstance(sampler, (EpochShuffleSampler, ElasticDistributedSampler)):
                 sampler.seed = state["seed"]
+            elif isinstance(sampler, DistributedSampler):
+                saved_seed = state.get("order", {}).get("sampler_seed")
+                if isinstance(saved_seed, int) and not isinstance(saved_seed, bool):
+                    sampler.seed = saved_seed
         self.close()  # running workers hold the old seed
-        epoch, consumed = state["epoch"], state["batches_consumed"]
-        if not state["epoch_started"]:
-            consumed = 0
-        elif state["epoch_complete"]:
-            epoch, consumed = epoch + 1, 0
+        self._take_epoch_request()  # the state is newer than any earlier sampler.set_epoch
         self.epoch = epoch
         self._epoch_started = False
-        self._resume_skip = consumed
-        self._consumed = consumed
+        self._resume_position = position
+        self._start_position = position
+        self._consumed = 0
         self._epoch_complete = False
 
 
@@ -323,9 +358,35 @@ def _resolve_device(device: Any, device_prefetch: Any) -> torch.device | None:
     return resolve_device(device)
 
 
+def _record_set_epoch_calls(loader: DataLoader) -> list[RecordedSetEpoch]:
+    recorders = []
+    for sampler in _samplers_with_set_epoch(loader):
+        recorder = record_set_epoch(sampler)
+        if recorder is None:
+            continue
+        epoch = getattr(sampler, "epoch", 0)
+        if recorder.requested is None and isinstance(epoch, int) and epoch > 0:
+            recorder.requested = epoch  # set_epoch called before the loader was made
+        recorders.append(recorder)
+    return recorders
+
+
 def _distributed_sampler(
-    dataset: Any, shuffle: Any, sampler: Any, batch_sampler: Any, seed: int, drop_last: bool
+    dataset: Any,
+    shuffle: Any,
+    sampler: Any,
+    batch_sampler: Any,
+    seed: int,
+    drop_last: bool,
+    batch_size: int | None = 1,
 ) -> DistributedSampler:
+    if isinstance(sampler, ElasticDistributedSampler):
+        if sampler.batch_size != (batch_size or 1):
+            raise ValueError(
+                f"the ElasticDistributedSampler splits global batches of batch_size "
+                f"{sampler.batch_size} per rank, but the loader's batch_size is {batch_size}"
+            )
+        return sampler
     if isinstance(sampler, DistributedSampler):
         return sampler
     if sampler is not None or batch_sampler is not None:
@@ -337,25 +398,10 @@ def _distributed_sampler(
             "distributed=True needs an initialised torch.distributed process group "
             "(call torch.distributed.init_process_group first, or run under torchrun)"
         )
-    return DistributedSampler(
-        dataset, shuffle=bool(shuffle), seed=seed & (2**63 - 1), drop_last=drop_last
+    return ElasticDistributedSampler(
+        dataset, batch_size or 1, shuffle=bool(shuffle), seed=seed, drop_last=drop_last
     )
 
 
 def _validate_state(state: Any) -> None:
-    if not isinstance(state, dict) or "fastloader_state_version" not in state:
-        raise ValueError(
-            "load_state_dict expects a dict made by fastloader.DataLoader.state_dict()"
-        )
-    version = state["fastloader_state_version"]
-    if version != _STATE_VERSION:
-        raise ValueError(f"unsupported fastloader state version {version!r}")
-    for key in ("seed", "epoch", "batches_consumed"):
-        value = state.get(key)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"state[{key!r}] must be an int, got {value!r}")
-    if state["epoch"] < 0 or state["batches_consumed"] < 0:
-        raise ValueError("state['epoch'] and state['batches_consumed'] must be non-negative")
-    for key in ("epoch_started", "epoch_complete"):
-        if not isinstance(state.get(key), bool):
-            raise ValueError(f"state[{key!r}] must be a bool, got {state.get(key)!r}")
+    validate_state(state)

@@ -1,8 +1,19 @@
-"""Samplers whose order is a function of (seed, epoch), so it can be known ahead and resumed."""
+"""Samplers whose order is a function of (seed, epoch), so it can be known ahead and resumed.
+
+NOTE [ A user's set_epoch wins ]
+
+The DDP idiom calls ``sampler.set_epoch(epoch)`` before each epoch with the user's own counter
+(which may start at 5 after a resume). fastloader also calls ``set_epoch`` itself: before every
+epoch, and early, when it prefetches the next epoch. To tell the two apart, the loader replaces
+a sampler's ``set_epoch`` on the instance with a ``RecordedSetEpoch`` that remembers the value of
+the last call made from outside; the loader's own calls go through ``call_unrecorded``. The
+next ``iter(loader)`` takes that value as its epoch (see ``DataLoader._next_epoch``).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sized
+from typing import Any
 
 import torch
 from torch.utils.data import RandomSampler
@@ -10,11 +21,22 @@ from torch.utils.data import RandomSampler
 from fastloader.seeding import epoch_seed
 
 
+def epoch_permutation(seed: int, epoch: int, n: int) -> torch.Tensor:
+    """The order of ``n`` samples in ``epoch``: a permutation drawn from ``(seed, epoch)`` only.
+
+    It is the order of ``shuffle=True`` and of ``distributed=True`` at any world size.
+    """
+    generator = torch.Generator()
+    generator.manual_seed(epoch_seed(seed, epoch))
+    return torch.randperm(n, generator=generator)
+
+
 class EpochShuffleSampler(RandomSampler):
     """A ``RandomSampler`` whose permutation for epoch ``e`` is drawn from ``(seed, e)``.
 
     fastloader.DataLoader uses it for ``shuffle=True``. It is a RandomSampler, so code that
     checks for one (Lightning, when it injects a DistributedSampler) sees a shuffled loader.
+    Without ``replacement`` or ``num_samples`` its order is ``epoch_permutation(seed, e, n)``.
 
     Args:
         data_source: the dataset (only its length is used).
@@ -43,3 +65,39 @@ class EpochShuffleSampler(RandomSampler):
         generator.manual_seed(epoch_seed(self.seed, self.epoch))
         self.generator = generator
         return super().__iter__()
+
+
+class RecordedSetEpoch:
+    """Stands in for a sampler's ``set_epoch``; see NOTE [ A user's set_epoch wins ].
+
+    Calling it calls the sampler's own ``set_epoch`` and records the value as ``requested``.
+    """
+
+    def __init__(self, set_epoch: Any) -> None:
+        self.call_unrecorded = set_epoch
+        self.requested: int | None = None
+
+    def __call__(self, epoch: int) -> Any:
+        self.requested = epoch
+        return self.call_unrecorded(epoch)
+
+
+def record_set_epoch(sampler: Any) -> RecordedSetEpoch | None:
+    """Install (or find) the ``RecordedSetEpoch`` of ``sampler``; None if it has no set_epoch."""
+    current = getattr(sampler, "set_epoch", None)
+    if isinstance(current, RecordedSetEpoch):
+        return current
+    if not callable(current):
+        return None
+    recorded = RecordedSetEpoch(current)
+    try:
+        sampler.set_epoch = recorded
+    except (AttributeError, TypeError):  # __slots__ or a read-only attribute: cannot record
+        return None
+    return recorded
+
+
+def set_epoch_unrecorded(sampler: Any, epoch: int) -> None:
+    """Call ``sampler.set_epoch(epoch)`` as the loader: not recorded as a user's request."""
+    set_epoch = sampler.set_epoch
+    getattr(set_epoch, "call_unrecorded", set_epoch)(epoch)
