@@ -52,10 +52,10 @@ _ORDER_FIELDS = (
     "dataset_length",
     "shuffle",
     "replacement",
-    "epoch_length",
-    "drop_last",
     "world_size",
     "rank",
+    "drop_last",
+    "epoch_length",
     "indices_crc",
 )
 _FIELD_NAMES = {
@@ -63,6 +63,7 @@ _FIELD_NAMES = {
     "dataset_length": "dataset length",
     "epoch_length": "samples per epoch",
     "indices_crc": "sampler indices",
+    "drop_last": "drop_last",
 }
 
 

@@ -117,3 +117,191 @@ def test_resume_in_another_process(tmp_path: Path):
 def test_bad_state_is_rejected_with_a_clear_error(state, problem):
     with pytest.raises(ValueError, match=problem):
         _loader(0).load_state_dict(state)
+
+
+# -- position in samples: another batch_size or num_workers continues exactly ----------------
+
+
+def _rows(loader, stop_after=None):
+    """Rows [index, numpy, random, torch draws] of one epoch, optionally interrupted."""
+    rows = []
+    for taken, (values, _) in enumerate(loader, start=1):
+        rows.append(values)
+        if taken == stop_after:
+            break
+    return torch.cat(rows) if rows else torch.empty(0, 4, dtype=torch.float64)
+
+
+def _shuffled(batch_size, num_workers, n=100, **kwargs):
+    return DataLoader(
+        RandomDraws(n),
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=num_workers,
+        seed=3,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [((8, 0), (16, 0)), ((16, 2), (8, 0)), ((8, 2), (8, 0))],
+    ids=["batch_size 8->16", "batch_size 16->8, workers 2->0", "workers 2->0"],
+)
+def test_resume_into_another_batch_size_or_worker_count_is_exact(before, after):
+    clean = _shuffled(8, 0)
+    clean.set_epoch(1)
+    expected = _rows(clean)  # samples and augmentations of a clean epoch 1
+
+    first = _shuffled(*before)
+    list(first)  # epoch 0
+    seen = _rows(first, stop_after=3)
+    state = json.loads(json.dumps(first.state_dict()))
+    first.close()
+    assert state["epoch"] == 1 and state["position"] == 3 * before[0]
+
+    resumed = _shuffled(*after)
+    resumed.load_state_dict(state)
+    rest = _rows(resumed)
+    resumed.close()
+    assert len(seen) + len(rest) == 100
+    assert torch.equal(torch.cat([seen, rest]), expected)  # indices and every RNG draw
+    assert resumed.epoch == 1
+
+
+def test_resume_with_drop_last_and_another_batch_size_warns_what_the_end_drops():
+    first = _shuffled(8, 0, drop_last=True)
+    seen = _rows(first, stop_after=5)  # 40 of 100 samples
+    resumed = _shuffled(16, 0, drop_last=True)
+    with pytest.warns(UserWarning, match="drops its last 12 samples.*drops its last 4"):
+        resumed.load_state_dict(first.state_dict())
+    rest = _rows(resumed)
+    order = [int(i) for i in _rows(_shuffled(8, 0))[:, 0]]
+    assert [int(i) for i in torch.cat([seen, rest])[:, 0]] == order[:88]
+
+
+def test_resume_into_batches_of_the_same_size_does_not_warn(recwarn):
+    first = _shuffled(8, 0, drop_last=True)
+    _rows(first, stop_after=5)
+    _shuffled(8, 0, drop_last=True).load_state_dict(first.state_dict())
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
+
+
+def _mid_epoch_state(loader, batches=2):
+    iterator = iter(loader)
+    for _ in range(batches):
+        next(iterator)
+    return loader.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("other", "field"),
+    [
+        (lambda: _shuffled(8, 0, n=90), "dataset length differs"),
+        (lambda: DataLoader(RandomDraws(100), batch_size=8, seed=3), "sampler kind differs"),
+        (lambda: _shuffled(8, 0, drop_last=True), "drop_last differs"),
+        (
+            lambda: DataLoader(
+                RandomDraws(100),
+                batch_size=8,
+                sampler=torch.utils.data.RandomSampler(RandomDraws(100)),
+            ),
+            "not a function of",
+        ),
+    ],
+    ids=["length", "shuffle", "drop_last", "unseeded sampler"],
+)
+def test_mid_epoch_resume_that_cannot_be_exact_raises_naming_the_field(other, field):
+    state = _mid_epoch_state(_shuffled(8, 0))
+    with pytest.raises(ValueError, match=field):
+        other().load_state_dict(state)
+
+
+def test_a_state_saying_shuffle_false_is_refused_by_a_shuffled_loader():
+    state = _mid_epoch_state(DataLoader(RandomDraws(100), batch_size=8))
+    with pytest.raises(ValueError, match="sampler kind differs.*'sequential'.*'shuffle'"):
+        _shuffled(8, 0).load_state_dict(state)
+
+
+def test_position_past_the_end_of_the_epoch_raises():
+    state = _mid_epoch_state(_shuffled(8, 0))
+    state["position"] = 101
+    with pytest.raises(ValueError, match="past the end"):
+        _shuffled(8, 0).load_state_dict(state)
+
+
+def test_torch_distributed_sampler_state_refuses_another_world_size():
+    def loader(world_size):
+        dataset = RandomDraws(100)
+        sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world_size, rank=0)
+        return DataLoader(dataset, batch_size=4, sampler=sampler)
+
+    state = _mid_epoch_state(loader(4))
+    with pytest.raises(ValueError, match="world size differs.*distributed=True"):
+        loader(2).load_state_dict(state)
+    resumed = loader(4)
+    resumed.load_state_dict(state)  # the same world size resumes
+    assert len(_rows(resumed)) == 25 - 8
+
+
+def test_iterable_dataset_cannot_resume_mid_epoch_but_can_at_a_boundary():
+    from _datasets import CountingStream
+
+    loader = DataLoader(CountingStream(12), batch_size=2)
+    state = _mid_epoch_state(loader)
+    with pytest.raises(ValueError, match="iterable dataset"):
+        DataLoader(CountingStream(12), batch_size=2).load_state_dict(state)
+    list(loader)  # finish a whole epoch
+    other = DataLoader(CountingStream(12), batch_size=2)
+    other.load_state_dict(loader.state_dict())
+    assert other.epoch == 2
+
+
+def test_at_an_epoch_boundary_the_settings_may_change():
+    first = _shuffled(8, 0)
+    list(first)
+    other = DataLoader(RandomDraws(50), batch_size=5)  # another length, no shuffle
+    other.load_state_dict(first.state_dict())
+    assert other.epoch == 1 and len(_rows(other)) == 50
+
+
+def test_version_1_state_mid_epoch_is_read_with_the_same_batch_size_and_a_warning():
+    expected = _rows(_shuffled(8, 0))
+    legacy = {
+        "fastloader_state_version": 1,
+        "seed": 3,
+        "epoch": 0,
+        "epoch_started": True,
+        "batches_consumed": 5,
+        "epoch_complete": False,
+    }
+    resumed = _shuffled(8, 0)
+    with pytest.warns(UserWarning, match="version-1"):
+        resumed.load_state_dict(legacy)
+    assert torch.equal(_rows(resumed), expected[40:])
+
+
+def test_version_1_state_mid_epoch_is_refused_for_the_global_distributed_order():
+    from fastloader.distributed import ElasticDistributedSampler
+
+    dataset = RandomDraws(100)
+    sampler = ElasticDistributedSampler(dataset, 4, num_replicas=2, rank=0)
+    legacy = {
+        "fastloader_state_version": 1,
+        "seed": 3,
+        "epoch": 0,
+        "epoch_started": True,
+        "batches_consumed": 5,
+        "epoch_complete": False,
+    }
+    with pytest.raises(ValueError, match="version-1"):
+        DataLoader(dataset, batch_size=4, sampler=sampler).load_state_dict(legacy)
+
+
+def test_state_size_does_not_grow_with_the_dataset():
+    sizes = []
+    for n in (100, 10_000_000):
+        loader = DataLoader(range(n), batch_size=4, shuffle=True, seed=1)
+        state = _mid_epoch_state(loader, batches=1)
+        sizes.append(len(json.dumps(state)))
+    assert abs(sizes[0] - sizes[1]) <= 10  # only the digits of the length differ
