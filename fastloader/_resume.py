@@ -123,9 +123,15 @@ def describe_order(loader: Any) -> dict[str, Any]:
             epoch_length=sampler.dataset_length,
             world_size=sampler.num_replicas,
             step=sampler.global_batch,
+            sampler_seed=sampler.seed,
         )
     elif isinstance(sampler, EpochShuffleSampler):
-        description.update(sampler="shuffle", shuffle=True, replacement=sampler.replacement)
+        description.update(
+            sampler="shuffle",
+            shuffle=True,
+            replacement=sampler.replacement,
+            sampler_seed=sampler.seed,
+        )
     elif isinstance(sampler, DistributedSampler):
         description.update(
             sampler="torch DistributedSampler (per-rank order)",

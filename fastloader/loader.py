@@ -281,13 +281,15 @@ class DataLoader(TorchDataLoader):
         """
         epoch, position = resume_point(state, self)
         self.seed = state["seed"]
+        saved_seed = state.get("order", {}).get("sampler_seed")
+        if isinstance(saved_seed, bool) or not isinstance(saved_seed, int):
+            saved_seed = None
         for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
+            # the order's seed: the sampler's own when recorded (version 2), else the loader's
             if isinstance(sampler, (EpochShuffleSampler, ElasticDistributedSampler)):
-                sampler.seed = state["seed"]
-            elif isinstance(sampler, DistributedSampler):
-                saved_seed = state.get("order", {}).get("sampler_seed")
-                if isinstance(saved_seed, int) and not isinstance(saved_seed, bool):
-                    sampler.seed = saved_seed
+                sampler.seed = state["seed"] if saved_seed is None else saved_seed
+            elif isinstance(sampler, DistributedSampler) and saved_seed is not None:
+                sampler.seed = saved_seed
         self.close()  # running workers hold the old seed
         self._take_epoch_request()  # the state is newer than any earlier sampler.set_epoch
         self.epoch = epoch

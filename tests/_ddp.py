@@ -1,41 +1,86 @@
-"""Runs in each spawned rank of the distributed test."""
+"""Runs in each spawned rank of the distributed tests (gloo on CPU)."""
+
+import json
 
 import torch
 import torch.distributed as dist
 from _datasets import RandomDraws
 
 from fastloader import DataLoader
+from fastloader.distributed import gather_in_order
+
+SEED = 7
 
 
-def _loader(n):
+def train_loader(n: int, batch_size: int, num_workers: int = 0) -> DataLoader:
     return DataLoader(
-        RandomDraws(n), batch_size=3, shuffle=True, distributed=True, seed=7, num_workers=1
+        RandomDraws(n),
+        batch_size=batch_size,
+        shuffle=True,
+        distributed=True,
+        seed=SEED,
+        num_workers=num_workers,
     )
 
 
-def run_rank(rank: int, world_size: int, init_file: str, out_dir: str, n: int) -> None:
+def _rows(loader, batches=None):
+    """Each batch as a list of rows [index, numpy, random, torch draws]."""
+    taken = []
+    for values, _ in loader:
+        taken.append(values.tolist())
+        if batches is not None and len(taken) == batches:
+            break
+    return taken
+
+
+def run_rank(rank: int, world_size: int, init_file: str, out_dir: str, plan: dict) -> None:
+    """Run ``plan`` on this rank and save what it saw to ``out_dir/rank{rank}.pt``.
+
+    plan keys (all optional): ``n`` and ``batch_size`` of the training loader;
+    ``resume`` (a state file: load it and take the rest of that epoch); ``epochs`` (whole
+    epochs to take from a fresh loader); ``interrupt`` ([epoch, steps]: take that many
+    steps of that epoch, then save the state); ``eval`` (a dataset length for
+    exactly-once evaluation with ``shuffle=False``).
+    """
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
     )
+    out = {}
     try:
-        loader = _loader(n)
-        epochs = [[v[:, 0].long().tolist() for v, _ in loader] for _ in range(2)]
-        # interrupt epoch 2 after one batch, resume in a fresh loader
-        iterator = iter(loader)
-        partial = [next(iterator)[0][:, 0].long().tolist()]
-        state = loader.state_dict()
-        loader.close()
-        resumed = _loader(n)
-        resumed.load_state_dict(state)
-        rest = [v[:, 0].long().tolist() for v, _ in resumed]
-        resumed.close()
-        reference = _loader(n)
-        reference.set_epoch(2)
-        uninterrupted = [v[:, 0].long().tolist() for v, _ in reference]
-        reference.close()
-        torch.save(
-            {"epochs": epochs, "resumed": partial + rest, "uninterrupted": uninterrupted},
-            f"{out_dir}/rank{rank}.pt",
-        )
+        n, batch_size = plan.get("n", 0), plan.get("batch_size", 1)
+        workers = plan.get("num_workers", 0)
+        if "resume" in plan:
+            with open(plan["resume"]) as file:
+                state = json.load(file)
+            loader = train_loader(n, batch_size, workers)
+            loader.load_state_dict(state)
+            out["resumed"] = _rows(loader)
+            out["resumed_epoch"] = loader.epoch
+            loader.close()
+        if "epochs" in plan:
+            loader = train_loader(n, batch_size, workers)
+            out["epochs"] = [_rows(loader) for _ in range(plan["epochs"])]
+            out["worker_pids"] = loader.worker_pids
+            loader.close()
+        if "interrupt" in plan:
+            epoch, steps = plan["interrupt"]
+            loader = train_loader(n, batch_size, workers)
+            loader.set_epoch(epoch)
+            out["partial"] = _rows(loader, batches=steps)
+            out["state"] = loader.state_dict()
+            loader.close()
+        if "eval" in plan:
+            loader = DataLoader(
+                RandomDraws(plan["eval"]), batch_size=2, distributed=True, shuffle=False
+            )
+            indices, results = [], []
+            batches = 0
+            for values, _ in loader:  # no collective inside the loop: counts may differ
+                batches += 1
+                indices += values[:, 0].long().tolist()
+                results += (values[:, 0] * 10).tolist()
+            out["eval_batches"] = batches
+            out["eval"] = gather_in_order(indices, results, length=plan["eval"])
+        torch.save(out, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
