@@ -301,10 +301,14 @@ def _check_same_order(state: dict[str, Any], here: dict[str, Any]) -> None:
     for field in _ORDER_FIELDS:
         if field == "world_size" and elastic:
             continue  # the global order does not depend on the world size
+        if field == "rank":
+            # ranks in step have taken the same number of samples of their own order, so
+            # any rank's state resumes every rank (Lightning saves rank 0's)
+            continue
         if saved.get(field) != here[field]:
             name = _FIELD_NAMES.get(field, field.replace("_", " "))
             hint = ""
-            if field in ("world_size", "rank"):
+            if field == "world_size":
                 hint = (
                     ": torch's DistributedSampler orders each rank's samples by world size; "
                     "use DataLoader(distributed=True) for an order that resumes on any world size"
