@@ -1,6 +1,7 @@
 """Runs in each spawned rank of the distributed tests (gloo on CPU)."""
 
 import json
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,11 @@ def run_rank(rank: int, world_size: int, init_file: str, out_dir: str, plan: dic
     exactly-once evaluation with ``shuffle=False``).
     """
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=120),  # a rank that dies fails the others, not a hang
     )
     out = {}
     try:
