@@ -10,7 +10,10 @@ Example::
 Under Lightning's DDP strategy nothing else is needed: Lightning rebuilds each loader with its
 own ``DistributedSampler`` (``fastloader.DataLoader`` keeps its extra arguments when rebuilt) and
 fastloader calls ``set_epoch`` on it every epoch. The loaders' ``state_dict`` goes into
-checkpoints, so a run resumed from a mid-epoch checkpoint continues with the same samples.
+checkpoints, so a run resumed from a mid-epoch checkpoint continues with the same samples (on
+the same number of devices). Pass ``distributed=True`` (a ``**loader_kwargs``) for fastloader's
+global order instead, which Lightning keeps: its checkpoints then resume on any number of
+devices, and ``shuffle=False`` evaluation sees each sample exactly once.
 """
 
 from __future__ import annotations

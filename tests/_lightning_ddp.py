@@ -2,7 +2,9 @@
 
 Lightning's "ddp" strategy starts rank 1 by running this script again. Each rank runs a fit
 with a mid-epoch checkpoint, then a second fit resumed from it, and saves what it saw to
-``OUT/rank{rank}.json``. Usage: ``python _lightning_ddp.py OUT``.
+``OUT/rank{rank}.json``. The training loader gets Lightning's injected DistributedSampler; the
+validation loader has ``distributed=True`` (exactly-once evaluation, which Lightning keeps).
+Usage: ``python _lightning_ddp.py OUT``.
 """
 
 import json
@@ -14,6 +16,7 @@ import torch
 from _datasets import RandomDraws
 
 from fastloader import DataLoader
+from fastloader.distributed import gather_in_order
 
 CHECKPOINT_STEP = 8  # 6 steps per epoch and rank: 2 steps into epoch 1
 
@@ -23,6 +26,9 @@ class Recorder(pl.LightningModule):
         super().__init__()
         self.layer = torch.nn.Linear(4, 1)
         self.seen = []  # per step: [epoch, indices, worker pids]
+        self.val_indices, self.val_results = [], []
+        self.val_batches = []  # per validation run: batches on this rank
+        self.gathered = []  # per validation run: every rank's results in dataset order
 
     def training_step(self, batch, batch_idx):
         values, pids = batch
@@ -31,6 +37,16 @@ class Recorder(pl.LightningModule):
         )
         return self.layer(values.float()).mean()
 
+    def validation_step(self, batch, batch_idx):
+        values, _ = batch  # no collective here: ranks may take different numbers of steps
+        self.val_indices += values[:, 0].long().tolist()
+        self.val_results += (values[:, 0] * 10).tolist()
+
+    def on_validation_epoch_end(self):
+        self.val_batches.append(len(self.val_indices))
+        self.gathered.append(gather_in_order(self.val_indices, self.val_results, length=17))
+        self.val_indices, self.val_results = [], []
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
@@ -38,6 +54,10 @@ class Recorder(pl.LightningModule):
 class Data(pl.LightningDataModule):
     def train_dataloader(self):
         return DataLoader(RandomDraws(48), batch_size=4, shuffle=True, num_workers=1, seed=5)
+
+    def val_dataloader(self):
+        # 17 samples, 2 per rank and step: rank 0 takes 5 batches, rank 1 takes 4
+        return DataLoader(RandomDraws(17), batch_size=2, distributed=True, shuffle=False)
 
 
 class CheckpointAt(pl.Callback):
@@ -59,6 +79,7 @@ def trainer(**kwargs):
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        num_sanity_val_steps=0,
         **kwargs,
     )
 
@@ -70,9 +91,17 @@ def main(out):
     fit.fit(full, datamodule=Data())
     sampler = fit.train_dataloader.sampler
     injected = type(sampler).__name__
+    val_sampler = type(fit.val_dataloaders.sampler).__name__
     resumed = Recorder()
     trainer().fit(resumed, datamodule=Data(), ckpt_path=checkpoint)
-    result = {"full": full.seen, "resumed": resumed.seen, "sampler": injected}
+    result = {
+        "full": full.seen,
+        "resumed": resumed.seen,
+        "sampler": injected,
+        "val_sampler": val_sampler,
+        "val_samples": full.val_batches,
+        "gathered": full.gathered,
+    }
     with open(os.path.join(out, f"rank{fit.global_rank}.json"), "w") as file:
         json.dump(result, file)
 

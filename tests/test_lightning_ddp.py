@@ -54,3 +54,10 @@ def test_mid_epoch_checkpoint_resumes_with_the_remaining_samples(ranks):
         assert len(rank["full"]) == 12
         expected = [[epoch, indices] for epoch, indices, _ in rank["full"][8:]]
         assert [[epoch, indices] for epoch, indices, _ in rank["resumed"]] == expected
+
+
+def test_distributed_true_validation_sees_each_sample_once_and_gathers_in_order(ranks):
+    assert all(rank["val_sampler"] == "ElasticDistributedSampler" for rank in ranks)
+    for rank in ranks:
+        assert rank["gathered"] == [[10.0 * i for i in range(17)]] * 2  # one per epoch
+    assert [rank["val_samples"] for rank in ranks] == [[9, 9], [8, 8]]
