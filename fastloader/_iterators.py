@@ -50,7 +50,11 @@ from torch.utils.data.dataloader import (
     _SingleProcessDataLoaderIter,
 )
 
-from fastloader.samplers import EpochShuffleSampler, set_epoch_unrecorded
+from fastloader.samplers import (
+    EpochShuffleSampler,
+    samplers_with_set_epoch,
+    set_epoch_unrecorded,
+)
 from fastloader.seeding import RNGStateSwap, SeededDataset, SeededIterableDataset, Task
 
 _END = object()
@@ -62,17 +66,8 @@ def set_sampler_epoch(loader: Any, epoch: int) -> None:
     The calls are the loader's own: they are not taken as a user's request (see NOTE [ A
     user's set_epoch wins ] in ``samplers.py``).
     """
-    for sampler in _samplers_with_set_epoch(loader):
+    for sampler in samplers_with_set_epoch(loader):
         set_epoch_unrecorded(sampler, epoch)
-
-
-def _samplers_with_set_epoch(loader: Any) -> list[Any]:
-    found: list[Any] = []
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    for sampler in (loader.sampler, batch_sampler, getattr(batch_sampler, "sampler", None)):
-        if callable(getattr(sampler, "set_epoch", None)) and all(sampler is not s for s in found):
-            found.append(sampler)
-    return found
 
 
 def order_is_predictable(loader: Any) -> bool:
@@ -178,7 +173,7 @@ def _schedule_for(loader: Any, may_cross: bool) -> _EpochSchedule:
         for sampler in samplers:
             set_epoch_unrecorded(sampler, epoch)
 
-    samplers = _samplers_with_set_epoch(loader)
+    samplers = samplers_with_set_epoch(loader)
     batched = loader.batch_sampler is not None
     return _EpochSchedule(loader._index_sampler, set_epoch, may_cross, batched)
 

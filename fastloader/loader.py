@@ -12,10 +12,15 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import DistributedSampler, IterableDataset
 
-from fastloader._iterators import SingleProcessIter, WorkerPoolIter, _samplers_with_set_epoch
-from fastloader._resume import build_state, resume_point, validate_state
+from fastloader._iterators import SingleProcessIter, WorkerPoolIter
+from fastloader._resume import build_state, resume_point
 from fastloader.distributed import ElasticDistributedSampler
-from fastloader.samplers import EpochShuffleSampler, RecordedSetEpoch, record_set_epoch
+from fastloader.samplers import (
+    EpochShuffleSampler,
+    RecordedSetEpoch,
+    record_set_epoch,
+    samplers_with_set_epoch,
+)
 from fastloader.seeding import resolve_seed
 from fastloader.stats import LoaderStats
 
@@ -273,7 +278,7 @@ class DataLoader(TorchDataLoader):
         The seed is taken from the state. A state taken at an epoch boundary continues with
         the next epoch whatever the settings; in the middle of an epoch the order must be the
         same (dataset length, sampler kind, shuffle, drop_last, and for torch's
-        DistributedSampler the world size and rank). Version-1 states are still read.
+        DistributedSampler the world size). Version-1 states are still read.
 
         Raises:
             ValueError: if ``state`` is not a fastloader state, is malformed, or cannot be
@@ -362,7 +367,7 @@ def _resolve_device(device: Any, device_prefetch: Any) -> torch.device | None:
 
 def _record_set_epoch_calls(loader: DataLoader) -> list[RecordedSetEpoch]:
     recorders = []
-    for sampler in _samplers_with_set_epoch(loader):
+    for sampler in samplers_with_set_epoch(loader):
         recorder = record_set_epoch(sampler)
         if recorder is None:
             continue
@@ -403,7 +408,3 @@ def _distributed_sampler(
     return ElasticDistributedSampler(
         dataset, batch_size or 1, shuffle=bool(shuffle), seed=seed, drop_last=drop_last
     )
-
-
-def _validate_state(state: Any) -> None:
-    validate_state(state)

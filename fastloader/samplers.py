@@ -97,6 +97,16 @@ def record_set_epoch(sampler: Any) -> RecordedSetEpoch | None:
     return recorded
 
 
+def samplers_with_set_epoch(loader: Any) -> list[Any]:
+    """The loader's sampler, batch sampler and batch sampler's sampler that have set_epoch."""
+    found: list[Any] = []
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for sampler in (loader.sampler, batch_sampler, getattr(batch_sampler, "sampler", None)):
+        if callable(getattr(sampler, "set_epoch", None)) and all(sampler is not s for s in found):
+            found.append(sampler)
+    return found
+
+
 def set_epoch_unrecorded(sampler: Any, epoch: int) -> None:
     """Call ``sampler.set_epoch(epoch)`` as the loader: not recorded as a user's request."""
     set_epoch = sampler.set_epoch
