@@ -322,12 +322,12 @@ def _check_same_order(state: dict[str, Any], here: dict[str, Any]) -> None:
 def _tail(remaining: int, step: int, world_size: int, drop_last: bool, pad_short: bool) -> str:
     short = remaining % step if step else 0
     if not short:
-        return "nothing"
+        return "drops and repeats nothing"
     if drop_last:
         return f"drops its last {short} samples"
     if pad_short and short < world_size:
         return f"repeats {world_size - short} samples to pad its last step"
-    return "nothing"
+    return "drops and repeats nothing"
 
 
 def _warn_if_the_end_differs(state: dict[str, Any], here: dict[str, Any], position: int) -> None:

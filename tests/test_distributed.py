@@ -220,6 +220,35 @@ def test_resume_with_another_global_batch_and_drop_last_warns_what_the_end_drops
     assert rows == order[17:22] + order[27:32] + order[37:42]
 
 
+def test_resume_on_more_ranks_than_samples_left_in_the_last_step_pads_and_warns():
+    def loaders(world_size, batch_size):
+        dataset = RandomDraws(50)
+        return [
+            DataLoader(
+                dataset,
+                batch_size=batch_size,
+                sampler=ElasticDistributedSampler(
+                    dataset, batch_size, num_replicas=world_size, rank=rank, seed=SEED
+                ),
+            )
+            for rank in range(world_size)
+        ]
+
+    first = loaders(2, 3)[0]  # 50 = 8 steps of 6 + 2: no padding on 2 ranks
+    iterator = iter(first)
+    next(iterator), next(iterator)
+    state = first.state_dict()
+    assert state["position"] == 12
+    resumed = loaders(4, 3)  # 38 = 3 steps of 12 + 2 samples for 4 ranks: pad 2
+    for loader in resumed:
+        with pytest.warns(UserWarning, match="repeats 2 samples.*drops and repeats nothing"):
+            loader.load_state_dict(state)
+    seen = [int(i) for loader in resumed for values, _ in loader for i in values[:, 0]]
+    order = first.sampler.global_order().tolist()
+    assert sorted(seen) == sorted(order[12:] + order[:2])  # the epoch's first 2, again
+    assert len({len(loader) for loader in resumed}) == 1
+
+
 def test_gather_in_order_without_a_process_group_sorts_and_checks():
     assert gather_in_order([2, 0, 1], ["c", "a", "b"], length=3) == ["a", "b", "c"]
     with pytest.raises(ValueError, match="twice"):
