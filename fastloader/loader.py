@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -192,11 +193,15 @@ class DataLoader(TorchDataLoader):
             if requested is None and recorder.requested is not None:
                 requested = recorder.requested
             recorder.requested = None
-        if requested is not None and (
-            isinstance(requested, bool) or not isinstance(requested, int) or requested < 0
-        ):
+        if requested is None:
+            return None
+        try:
+            epoch = operator.index(requested)  # numpy ints too
+        except TypeError:
+            epoch = -1
+        if isinstance(requested, bool) or epoch < 0:
             raise ValueError(f"sampler.set_epoch got {requested!r}: epochs are non-negative ints")
-        return requested
+        return epoch
 
     def _next_epoch(self) -> tuple[int, int]:
         requested = self._take_epoch_request()

@@ -1,5 +1,6 @@
 """A user's own sampler.set_epoch(e) wins over the loader's epoch counter (the DDP idiom)."""
 
+import numpy as np
 import pytest
 import torch
 from _datasets import RandomDraws
@@ -81,3 +82,12 @@ def test_the_last_of_loader_set_epoch_and_sampler_set_epoch_wins():
     loader.set_epoch(2)
     loader.sampler.set_epoch(4)
     assert _indices(loader) == _reference_order(4)
+
+
+def test_a_numpy_epoch_is_accepted_and_a_negative_one_is_refused():
+    loader = DataLoader(RandomDraws(12), batch_size=4, shuffle=True, seed=2)
+    loader.sampler.set_epoch(np.int64(3))
+    assert _indices(loader) == _reference_order(3) and loader.epoch == 3
+    loader.sampler.set_epoch(-1)
+    with pytest.raises(ValueError, match="non-negative"):
+        iter(loader)
