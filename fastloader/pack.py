@@ -16,7 +16,11 @@ import contextlib
 import multiprocessing
 import os
 import pickle
+import re
+import signal
+import socket
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -67,6 +71,8 @@ class PackSummary:
         skipped: ``(path or dataset index, reason)`` for every input that could not be read.
         size_bytes: the size of the file written.
         seconds: how long packing took.
+        removed_partials: ``(path, pid)`` of each partial file of a packer process that no
+            longer runs, removed before packing (see NOTE [ Atomic packing ]).
     """
 
     path: Path
@@ -77,13 +83,22 @@ class PackSummary:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     size_bytes: int = 0
     seconds: float = 0.0
+    removed_partials: list[tuple[Path, int]] = field(default_factory=list)
 
-    def __str__(self) -> str:
-        lines = [
+    def headline(self) -> str:
+        """One line: what was packed, where, how big, how fast."""
+        return (
             f"packed {self.count} images of {len(self.classes)} classes into {self.path} "
             f"({self.format}, store={self.store}, {human_size(self.size_bytes)}) "
             f"in {self.seconds:.1f} s"
+        )
+
+    def __str__(self) -> str:
+        lines = [
+            f"removed {path}, left by packer process {pid} that no longer runs"
+            for path, pid in self.removed_partials
         ]
+        lines.append(self.headline())
         if self.skipped:
             lines.append(f"skipped {len(self.skipped)} unreadable:")
             lines += [f"  {where}: {reason}" for where, reason in self.skipped[:20]]
@@ -159,7 +174,7 @@ def _encode_all(encoder: Callable, items: Sequence, workers: int) -> Iterator[En
         return
     size = max(1, min(_CHUNK, len(items) // (workers * 4)))
     context = multiprocessing.get_context(_start_method())
-    executor = ProcessPoolExecutor(workers, context, start_worker, (encoder,))
+    executor = ProcessPoolExecutor(workers, context, _start_pool_worker, (encoder, os.getpid()))
     try:
         pending: deque = deque()
         for start in range(0, len(items), size):
@@ -170,6 +185,52 @@ def _encode_all(encoder: Callable, items: Sequence, workers: int) -> Iterator[En
             yield from pending.popleft().result()
     finally:
         executor.shutdown(wait=True, cancel_futures=True)
+
+
+# NOTE [ Packer processes ]
+# The packer must never leave a process or a file behind, however it ends:
+# * Ctrl-C (SIGINT to the whole process group) and SIGTERM (a scheduler's time limit, `kill`;
+#   the CLI turns it into an exception like Ctrl-C): pool workers ignore both, the main process
+#   handles them once: it cancels what is queued, lets the running chunks finish (a few
+#   images), removes the partial file and exits (130 / 143).
+# * SIGKILL of the main process (the OOM killer, a scheduler's last resort): nothing runs in
+#   it, so each worker asks the kernel to SIGKILL it when its parent dies (Linux
+#   PR_SET_PDEATHSIG, set in the pool initializer, then a getppid() check for a parent that
+#   died before that); elsewhere a watchdog thread in each worker polls getppid(). The partial
+#   file stays; the next run for the same DST removes it (see NOTE [ Atomic packing ]).
+# The death signal follows the *thread* that started the worker: ProcessPoolExecutor starts
+# its workers from the thread that submits (here the main thread), on Python 3.10-3.13.
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def _start_pool_worker(encoder: Callable[[Any], Encoded], parent: int) -> None:
+    """Pool initializer: die with the parent, leave SIGTERM to it, then set up the encoder."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if not _die_with_parent_linux():
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if os.getppid() != parent:  # the parent died before we asked to die with it
+        os._exit(1)
+    start_worker(encoder)
+
+
+def _die_with_parent_linux() -> bool:
+    """Ask Linux to SIGKILL this process when its parent dies; False where that is not there."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent: int, interval: float = 0.5) -> None:
+    while os.getppid() == parent:
+        time.sleep(interval)
+    os._exit(1)
 
 
 class _Job(NamedTuple):
@@ -249,10 +310,24 @@ def _check_options(
             raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def _target_format(target: Path, format: str | None, source: Any) -> str:
+    """The format to write: ``format``, else from the suffix, with a message in user's words."""
+    if target.is_dir():
+        name = Path(os.fspath(source)).name if isinstance(source, (str, os.PathLike)) else ""
+        example = target / f"{name or 'train'}.lmdb"
+        raise IsADirectoryError(
+            f"{target}: is a folder; DST is the pack file to write, e.g. {example}"
+        )
+    if format is None and not target.suffix:
+        raise ValueError(
+            f"{target}: no suffix to tell the format from: name the pack file "
+            f"{target.name}.lmdb, {target.name}.h5 or {target.name}.hdf5, or choose the format"
+        )
+    return format or format_from_suffix(target)
+
+
 def _check_target(target: Path, overwrite: bool) -> None:
     """Fail before any work if the pack cannot be written, or would replace a file unasked."""
-    if target.is_dir():
-        raise IsADirectoryError(f"{target}: is a folder")
     if target.exists() and not overwrite:
         raise FileExistsError(
             f"{target}: already exists (use --overwrite, or overwrite=True, to replace it)"
@@ -273,12 +348,60 @@ def _default_workers() -> int:
 
 
 # NOTE [ Atomic packing ]
-# The writer writes a hidden temporary file beside the target, `.NAME.partial-PID`, in the same
-# folder so that the final `os.replace` is an atomic rename within one file system. The rename
-# happens only after the writer's close() succeeded and the file is synced; close() writes the
-# metadata last, so a temporary file left by a killed run never opens as a complete pack. On
-# any exception, KeyboardInterrupt included, the writer is aborted and the temporary file is
-# removed; an existing target is untouched until the rename.
+# The writer writes a hidden temporary file beside the target, `.NAME.partial-PID@HOST`, in the
+# same folder so that the final `os.replace` is an atomic rename within one file system. The
+# rename happens only after the writer's close() succeeded and the file is synced; close()
+# writes the metadata last, so a temporary file left by a killed run never opens as a complete
+# pack. On any exception, KeyboardInterrupt and SIGTERM (via the CLI) included, the writer is
+# aborted and the temporary file is removed; an existing target is untouched until the rename.
+# Only SIGKILL (or a power cut) leaves a partial file: each run first removes the partial files
+# for its DST whose packer process is dead: written on this host (the name says which; a
+# folder may be shared between hosts, whose pids mean nothing here) by a pid that no longer
+# runs, or is a zombie. A live pid keeps its file, even if the pid was reused by another
+# program: never remove what a running packer writes. Files named without a host (older
+# versions) count as this host's.
+
+_PARTIAL = re.compile(r"\.partial-(?P<pid>\d+)(?:@(?P<host>.+))?$")
+
+
+def _partial_path(target: Path) -> Path:
+    return target.with_name(f".{target.name}.partial-{os.getpid()}@{socket.gethostname()}")
+
+
+def _remove_stale_partials(target: Path) -> list[tuple[Path, int]]:
+    """Remove the partial files of ``target`` left by dead packer processes of this host."""
+    prefix, host, removed = f".{target.name}", socket.gethostname(), []
+    try:
+        names = os.listdir(target.parent)
+    except OSError:
+        return removed
+    for name in names:
+        match = _PARTIAL.fullmatch(name[len(prefix) :]) if name.startswith(prefix) else None
+        if match is None or match["host"] not in (None, host):
+            continue
+        pid = int(match["pid"])
+        if pid != os.getpid() and _process_runs(pid):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(target.parent / name)
+            if pid != os.getpid():  # our own pid: a run before a reboot; nothing to report
+                removed.append((target.parent / name, pid))
+    return removed
+
+
+def _process_runs(pid: int) -> bool:
+    """Whether ``pid`` is a running process (a zombie has stopped running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):  # no /proc (not Linux), or the process just ended
+        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
 
 
 def pack(
@@ -345,7 +468,7 @@ def pack(
     if workers is not None and workers < 0:
         raise ValueError(f"workers must be >= 0, got {workers}")
     target = Path(os.path.expanduser(os.fspath(path)))
-    format = format or format_from_suffix(target)
+    format = _target_format(target, format, source)
     _check_target(target, overwrite)
     options = Options(store, quality, max_side, short_side)
     if isinstance(source, (str, os.PathLike)):
@@ -368,9 +491,8 @@ def pack(
         "short_side": short_side,
         "quality": quality if store == "jpeg" else None,
     }
-    temp = target.with_name(f".{target.name}.partial-{os.getpid()}")
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(temp)  # left by a killed run of a process that had our pid
+    removed_partials = _remove_stale_partials(target)
+    temp = _partial_path(target)
     writer = None
     try:
         writer = open_writer(temp, format, store=store, classes=job.classes, info=info)
@@ -395,7 +517,9 @@ def pack(
         raise
     _sync(target.parent)
     size, seconds = target.stat().st_size, time.perf_counter() - started
-    return PackSummary(target, format, store, writer.count, job.classes, skipped, size, seconds)
+    return PackSummary(
+        target, format, store, writer.count, job.classes, skipped, size, seconds, removed_partials
+    )
 
 
 def _write_all(

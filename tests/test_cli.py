@@ -67,12 +67,36 @@ def test_quiet_prints_nothing_on_success(folder, tmp_path, capsys):
     assert capsys.readouterr() == ("", "")
 
 
-def test_bad_files_are_listed_in_the_summary(bad_folder, tmp_path, capsys):
-    assert main([str(bad_folder), str(tmp_path / "out.lmdb"), "--store", "raw"]) == 0
-    out = capsys.readouterr().out
-    assert "skipped 3 unreadable:" in out
-    assert f"{bad_folder / 'b/text.jpg'}: not an image file Pillow can read" in out
-    assert f"{bad_folder / 'b/empty.png'}: empty file" in out
+SKIPPED_LINES = {
+    "b/text.jpg": "not an image file Pillow can read",
+    "b/empty.png": "empty file",
+}
+
+
+def skipped_lines(err: str, bad_folder: Path) -> dict[str, str]:
+    """``{relative path: reason}`` of the ``skipped PATH: REASON`` lines of stderr."""
+    prefix = f"fastloader-pack: skipped {bad_folder}/"
+    found = {}
+    for line in err.splitlines():
+        if line.startswith(prefix):
+            where, reason = line[len(prefix) :].split(": ", 1)
+            found[where] = reason
+    return found
+
+
+@pytest.mark.parametrize("quiet", [[], ["--quiet"]], ids=["summary", "quiet"])
+def test_bad_files_are_listed_one_per_line_on_stderr_even_when_quiet(
+    bad_folder, tmp_path, capsys, quiet
+):
+    assert main([str(bad_folder), str(tmp_path / "out.lmdb"), "--store", "raw", *quiet]) == 0
+    out, err = capsys.readouterr()
+    listed = skipped_lines(err, bad_folder)
+    assert len(listed) == 3 and len(err.splitlines()) == 3, err
+    assert {key: listed[key] for key in SKIPPED_LINES} == SKIPPED_LINES
+    if quiet:
+        assert out == ""
+    else:
+        assert "skipped 3 unreadable images, listed on stderr" in out.splitlines()
 
 
 def test_strict_fails_with_no_output_file(bad_folder, tmp_path, capsys):
