@@ -3,8 +3,11 @@
 import importlib
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +15,7 @@ import pytest
 from _images import EXPECTED_ORDER, make_folder_with_bad_files, make_image_folder
 
 from fastloader import open_pack, read_metadata
+from fastloader import pack as pack_function
 from fastloader.cli import main
 
 pack_worker = importlib.import_module("fastloader._pack_worker")
@@ -254,3 +258,149 @@ def test_console_script_error_is_one_line_without_traceback(tmp_path):
     )
     assert run.returncode == 1
     assert run.stderr == f"fastloader-pack: error: {tmp_path / 'missing'}: no such folder\n"
+
+
+# --- killing the packer: no process and no file left behind ----------------------------------
+
+# A packer whose workers take 0.4 s per image (13 images, 2 workers: ~3 s of work), so a signal
+# lands mid-run. Workers fork from this script, so they inherit the slowed encoder.
+SLOW_PACKER = """
+import sys, time
+import fastloader._pack_worker as worker
+encode_file = worker.encode_file
+
+def slow(*args):
+    time.sleep(0.4)
+    return encode_file(*args)
+
+worker.encode_file = slow
+from fastloader.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _state(pid: int) -> tuple[str, int] | None:
+    """``(state letter, parent pid)`` of a process, or None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    fields = stat.rsplit(b")", 1)[1].split()
+    return fields[0].decode(), int(fields[1])
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            state = _state(int(entry))
+            if state is not None and state[1] == pid:
+                found.append(int(entry))
+    return found
+
+
+def _running(pids: list[int]) -> list[int]:
+    return [pid for pid in pids if (_state(pid) or ("Z",))[0] != "Z"]
+
+
+def _wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def _start_slow_packer(folder: Path, target: Path) -> tuple[subprocess.Popen, list[int]]:
+    """Start the slow packer with 2 workers in its own session; return it once both work."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", SLOW_PACKER, str(folder), str(target), "--store", "raw"]
+        + ["--workers", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        workers = _wait_for(
+            lambda: len(_children(process.pid)) >= 2 and _children(process.pid), 60, "workers"
+        )
+        _wait_for(lambda: _partials(target.parent), 60, "the partial file")
+    except BaseException:
+        process.kill()
+        process.communicate()
+        raise
+    return process, workers
+
+
+def _partials(folder: Path) -> list[str]:
+    return sorted(name for name in os.listdir(folder) if ".partial-" in name)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("group", [False, True], ids=["main-process", "process-group"])
+def test_sigterm_cleans_up_and_exits_143(folder, tmp_path, group):
+    target = tmp_path / "out.lmdb"
+    process, workers = _start_slow_packer(folder, target)
+    if group:  # what a scheduler's time limit does
+        os.killpg(process.pid, signal.SIGTERM)
+    else:
+        process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 143, err
+    assert err.splitlines()[-1].startswith("fastloader-pack: terminated"), err
+    assert "Traceback" not in err
+    assert os.listdir(tmp_path) == []
+    _wait_for(lambda: not _running(workers), 10, f"workers {workers} to exit")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigkill_takes_the_workers_along_and_a_rerun_removes_the_partial_file(folder, tmp_path):
+    target = tmp_path / "out.lmdb"
+    process, workers = _start_slow_packer(folder, target)
+    process.kill()
+    process.communicate(timeout=60)
+    _wait_for(lambda: not _running(workers), 10, f"workers {workers} to exit")
+    (stale,) = _partials(tmp_path)
+    assert stale.startswith(f".out.lmdb.partial-{process.pid}@")
+    run = subprocess.run(
+        [sys.executable, "-m", "fastloader.cli", str(folder), str(target), "--workers", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stderr == (
+        f"fastloader-pack: removed {tmp_path / stale}, left by packer process {process.pid} "
+        "that no longer runs\n"
+    )
+    assert os.listdir(tmp_path) == ["out.lmdb"]
+    assert len(open_pack(target)) == 13
+
+
+def test_partial_files_of_live_or_other_host_packers_are_kept(folder, tmp_path):
+    target = tmp_path / "out.h5"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        names = {
+            "dead": f".out.h5.partial-{dead.pid}@{socket.gethostname()}",
+            "dead-old-style": f".out.h5.partial-{dead.pid}",
+            "live": f".out.h5.partial-{live.pid}@{socket.gethostname()}",
+            "other-host": f".out.h5.partial-{dead.pid}@not-{socket.gethostname()}",
+            "other-target": f".out.lmdb.partial-{dead.pid}",
+        }
+        for name in names.values():
+            (tmp_path / name).write_bytes(b"half a pack")
+        summary = pack_function(folder, target, workers=0)
+    finally:
+        live.kill()
+        live.wait()
+    kept = {names[key] for key in ("live", "other-host", "other-target")}
+    assert set(os.listdir(tmp_path)) == kept | {"out.h5"}
+    removed = {tmp_path / names["dead"], tmp_path / names["dead-old-style"]}
+    assert set(summary.removed_partials) == {(path, dead.pid) for path in removed}
+    assert f"left by packer process {dead.pid} that no longer runs" in str(summary)
