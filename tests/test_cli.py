@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -404,3 +405,80 @@ def test_partial_files_of_live_or_other_host_packers_are_kept(folder, tmp_path):
     removed = {tmp_path / names["dead"], tmp_path / names["dead-old-style"]}
     assert set(summary.removed_partials) == {(path, dead.pid) for path in removed}
     assert f"left by packer process {dead.pid} that no longer runs" in str(summary)
+
+
+# --- start-up, messages, the `fastloader` command ---------------------------------------------
+
+
+def test_importing_the_cli_and_asking_for_help_imports_no_heavy_module():
+    # What makes `--help` and usage errors answer at once (benchmarks/cli_startup.py times it).
+    script = (
+        "import sys\n"
+        "from fastloader.cli import fastloader_main, main\n"
+        "codes = [main(['--help']), main(['only-src']), fastloader_main(['--help'])]\n"
+        "heavy = ('torch', 'numpy', 'PIL', 'h5py', 'lmdb', 'tqdm')\n"
+        "print(codes, sorted(name for name in heavy if name in sys.modules))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[-1] == "[0, 2, 0] []"
+
+
+def test_cli_choices_are_the_library_ones():
+    from fastloader.cli import FORMAT_CHOICES, STORE_CHOICES
+    from fastloader.formats import FORMATS, STORE_MODES
+
+    assert (FORMAT_CHOICES, STORE_CHOICES) == (tuple(FORMATS), tuple(STORE_MODES))
+
+
+def test_a_dst_that_is_a_folder_says_to_name_the_pack_file(folder, tmp_path, capsys):
+    (tmp_path / "packs").mkdir()
+    assert main([str(folder), str(tmp_path / "packs")]) == 1
+    err = one_error_line(capsys)
+    assert f"{tmp_path / 'packs'}: is a folder; DST is the pack file to write" in err
+    assert f"e.g. {tmp_path / 'packs' / 'src.lmdb'}" in err
+    assert main([str(folder), str(tmp_path / "train")]) == 1
+    assert f"{tmp_path / 'train'}: no suffix to tell the format from" in one_error_line(capsys)
+    assert os.listdir(tmp_path) == ["packs"]
+
+
+def test_verify_takes_only_the_pack(capsys):
+    assert main(["--verify", "x.lmdb", "src"]) == 2
+    assert "--verify takes only the pack" in capsys.readouterr().err
+    assert main(["--verify", "x.lmdb", "--info", "x.lmdb"]) == 2
+
+
+def test_check_reaches_pack_only_when_given(folder, tmp_path, monkeypatch):
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return SimpleNamespace(skipped=[], removed_partials=[])
+
+    monkeypatch.setattr(importlib.import_module("fastloader.pack"), "pack", spy)
+    assert main([str(folder), str(tmp_path / "a.lmdb"), "--check", "quick", "-q"]) == 0
+    assert main([str(folder), str(tmp_path / "a.lmdb"), "-q"]) == 0
+    assert calls[0]["check"] == "quick" and "check" not in calls[1]
+    assert main([str(folder), str(tmp_path / "a.lmdb"), "--check", "slow"]) == 2
+
+
+def test_fastloader_command_packs_describes_and_explains(folder, tmp_path, capsys):
+    from fastloader.cli import fastloader_main
+
+    target = tmp_path / "out.h5"
+    assert fastloader_main(["pack", str(folder), str(target), "--store", "raw"]) == 0
+    assert capsys.readouterr().out.startswith("packed 13 images of 3 classes")
+    assert fastloader_main(["info", str(target)]) == 0
+    assert "backend:  hdf5" in capsys.readouterr().out
+    assert fastloader_main(["info", str(tmp_path / "nope.lmdb")]) == 1
+    assert capsys.readouterr().err.startswith("fastloader info: error: ")
+    assert fastloader_main(["pack", str(folder)]) == 2
+    assert "usage: fastloader pack" in capsys.readouterr().err
+    assert fastloader_main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("pack", "info", "verify", "bench"))
+    assert fastloader_main([]) == 2
+    assert fastloader_main(["frobnicate"]) == 2
+    assert "invalid choice: 'frobnicate'" in capsys.readouterr().err
