@@ -8,10 +8,12 @@ rows, ratios and notes (see ``report.py`` for the shape):
 - ``formats``: read throughput of LMDB/HDF5 packs in each store mode vs the image folder;
 - ``packing``: ``fastloader.pack`` throughput vs litdata's ``optimize``, and reading back;
 - ``memory``: worker memory over epochs, packed datasets vs the image folder;
-- ``gpu_step``: a GPU training step fed by each loader (skipped without CUDA).
+- ``gpu_step``: a GPU training step fed by each loader (skipped without CUDA);
+- ``cli_startup``: how fast ``fastloader-pack`` answers (``--help``, ``--info``, a usage
+  error) and how much of a small pack's wall time is not packing.
 
 The data is made at run time from the photos scikit-image ships (``_photos.py``).
 """
 
-COMPARISONS = ("loader", "formats", "packing", "memory", "gpu_step")
+COMPARISONS = ("loader", "formats", "packing", "memory", "gpu_step", "cli_startup")
 SIZES = ("tiny", "quick", "full")

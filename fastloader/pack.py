@@ -13,6 +13,7 @@ Packing is three small stages:
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing
 import os
 import pickle
@@ -178,13 +179,33 @@ def _encode_all(encoder: Callable, items: Sequence, workers: int) -> Iterator[En
     try:
         pending: deque = deque()
         for start in range(0, len(items), size):
-            pending.append(executor.submit(encode_chunk, list(items[start : start + size])))
+            with _frozen_heap() if start == 0 else contextlib.nullcontext():
+                # the first submit starts the workers: see NOTE [ Forking the packer's workers ]
+                pending.append(executor.submit(encode_chunk, list(items[start : start + size])))
             if len(pending) >= 2 * workers + 2:
                 yield from pending.popleft().result()
         while pending:
             yield from pending.popleft().result()
     finally:
         executor.shutdown(wait=True, cancel_futures=True)
+
+
+# NOTE [ Forking the packer's workers ]
+# Forked workers share the parent's memory until they write to it, and the garbage collector
+# writes to every object it visits. With torch imported that is millions of objects: the first
+# collection in each worker copied their pages, which took 0.5-1 s of a 16-image pack on the
+# shared 2-core box (benchmarks/cli_startup.py). So the parent freezes its heap (gc.freeze():
+# the collector skips those objects, in the workers too) while the first submit forks the
+# workers, and unfreezes it once they exist. (Python's gc docs recommend this for fork.)
+
+
+@contextlib.contextmanager
+def _frozen_heap() -> Iterator[None]:
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 # NOTE [ Packer processes ]
