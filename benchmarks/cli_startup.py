@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from benchmarks._photos import make_image_folder
+from benchmarks._progress import note
 
 # size -> (rounds, images in the folder packed)
 SIZES = {"tiny": (2, 16), "quick": (5, 64), "full": (11, 256)}
@@ -43,7 +44,7 @@ def _commands(folder: Path, pack: Path, target: Path) -> dict[str, list[str]]:
 def _run_once(argv: list[str], env: dict) -> tuple[float, float | None]:
     """Wall seconds of one run, and the packing work it reports (None if not a pack)."""
     started = time.perf_counter()
-    run = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    run = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     wall = time.perf_counter() - started
     if run.returncode not in (0, 2):
         raise RuntimeError(f"{' '.join(argv)} failed ({run.returncode}):\n{run.stderr}")
@@ -71,7 +72,8 @@ def run(size: str, workdir: Path) -> dict:
     commands = _commands(folder, pack, target)
     walls: dict[str, list[float]] = {name: [] for name in commands}
     works: dict[str, list[float]] = {name: [] for name in commands}
-    for _ in range(rounds):
+    for round_ in range(rounds):
+        note(f"round {round_ + 1} of {rounds}")
         for name, argv in commands.items():
             wall, work = _run_once(argv, env)
             walls[name].append(wall)
