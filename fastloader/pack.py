@@ -13,15 +13,10 @@ Packing is three small stages:
 from __future__ import annotations
 
 import contextlib
-import gc
 import multiprocessing
 import os
 import pickle
-import re
-import signal
-import socket
 import sys
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -32,6 +27,12 @@ from typing import Any, NamedTuple
 
 from tqdm import tqdm
 
+from fastloader._pack_process import (
+    frozen_heap,
+    partial_path,
+    remove_stale_partials,
+    start_pool_worker,
+)
 from fastloader._pack_worker import (
     DatasetEncoder,
     Encoded,
@@ -39,7 +40,6 @@ from fastloader._pack_worker import (
     Options,
     check_label,
     encode_chunk,
-    start_worker,
 )
 from fastloader.formats import (
     STORE_MODES,
@@ -175,12 +175,12 @@ def _encode_all(encoder: Callable, items: Sequence, workers: int) -> Iterator[En
         return
     size = max(1, min(_CHUNK, len(items) // (workers * 4)))
     context = multiprocessing.get_context(_start_method())
-    executor = ProcessPoolExecutor(workers, context, _start_pool_worker, (encoder, os.getpid()))
+    executor = ProcessPoolExecutor(workers, context, start_pool_worker, (encoder, os.getpid()))
     try:
         pending: deque = deque()
         for start in range(0, len(items), size):
-            with _frozen_heap() if start == 0 else contextlib.nullcontext():
-                # the first submit starts the workers: see NOTE [ Forking the packer's workers ]
+            with frozen_heap() if start == 0 else contextlib.nullcontext():
+                # the first submit starts the workers: NOTE [ Forking the packer's workers ]
                 pending.append(executor.submit(encode_chunk, list(items[start : start + size])))
             if len(pending) >= 2 * workers + 2:
                 yield from pending.popleft().result()
@@ -188,70 +188,6 @@ def _encode_all(encoder: Callable, items: Sequence, workers: int) -> Iterator[En
             yield from pending.popleft().result()
     finally:
         executor.shutdown(wait=True, cancel_futures=True)
-
-
-# NOTE [ Forking the packer's workers ]
-# Forked workers share the parent's memory until they write to it, and the garbage collector
-# writes to every object it visits. With torch imported that is millions of objects: the first
-# collection in each worker copied their pages, which took 0.5-1 s of a 16-image pack on the
-# shared 2-core box (benchmarks/cli_startup.py). So the parent freezes its heap (gc.freeze():
-# the collector skips those objects, in the workers too) while the first submit forks the
-# workers, and unfreezes it once they exist. (Python's gc docs recommend this for fork.)
-
-
-@contextlib.contextmanager
-def _frozen_heap() -> Iterator[None]:
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
-# NOTE [ Packer processes ]
-# The packer must never leave a process or a file behind, however it ends:
-# * Ctrl-C (SIGINT to the whole process group) and SIGTERM (a scheduler's time limit, `kill`;
-#   the CLI turns it into an exception like Ctrl-C): pool workers ignore both, the main process
-#   handles them once: it cancels what is queued, lets the running chunks finish (a few
-#   images), removes the partial file and exits (130 / 143).
-# * SIGKILL of the main process (the OOM killer, a scheduler's last resort): nothing runs in
-#   it, so each worker asks the kernel to SIGKILL it when its parent dies (Linux
-#   PR_SET_PDEATHSIG, set in the pool initializer, then a getppid() check for a parent that
-#   died before that); elsewhere a watchdog thread in each worker polls getppid(). The partial
-#   file stays; the next run for the same DST removes it (see NOTE [ Atomic packing ]).
-# The death signal follows the *thread* that started the worker: ProcessPoolExecutor starts
-# its workers from the thread that submits (here the main thread), on Python 3.10-3.13.
-
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-
-
-def _start_pool_worker(encoder: Callable[[Any], Encoded], parent: int) -> None:
-    """Pool initializer: die with the parent, leave SIGTERM to it, then set up the encoder."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if not _die_with_parent_linux():
-        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    if os.getppid() != parent:  # the parent died before we asked to die with it
-        os._exit(1)
-    start_worker(encoder)
-
-
-def _die_with_parent_linux() -> bool:
-    """Ask Linux to SIGKILL this process when its parent dies; False where that is not there."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def _watch_parent(parent: int, interval: float = 0.5) -> None:
-    while os.getppid() == parent:
-        time.sleep(interval)
-    os._exit(1)
 
 
 class _Job(NamedTuple):
@@ -382,48 +318,6 @@ def _default_workers() -> int:
 # program: never remove what a running packer writes. Files named without a host (older
 # versions) count as this host's.
 
-_PARTIAL = re.compile(r"\.partial-(?P<pid>\d+)(?:@(?P<host>.+))?$")
-
-
-def _partial_path(target: Path) -> Path:
-    return target.with_name(f".{target.name}.partial-{os.getpid()}@{socket.gethostname()}")
-
-
-def _remove_stale_partials(target: Path) -> list[tuple[Path, int]]:
-    """Remove the partial files of ``target`` left by dead packer processes of this host."""
-    prefix, host, removed = f".{target.name}", socket.gethostname(), []
-    try:
-        names = os.listdir(target.parent)
-    except OSError:
-        return removed
-    for name in names:
-        match = _PARTIAL.fullmatch(name[len(prefix) :]) if name.startswith(prefix) else None
-        if match is None or match["host"] not in (None, host):
-            continue
-        pid = int(match["pid"])
-        if pid != os.getpid() and _process_runs(pid):
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(target.parent / name)
-            if pid != os.getpid():  # our own pid: a run before a reboot; nothing to report
-                removed.append((target.parent / name, pid))
-    return removed
-
-
-def _process_runs(pid: int) -> bool:
-    """Whether ``pid`` is a running process (a zombie has stopped running)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):  # no /proc (not Linux), or the process just ended
-        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
-
 
 def pack(
     source: str | os.PathLike | Any,
@@ -512,8 +406,8 @@ def pack(
         "short_side": short_side,
         "quality": quality if store == "jpeg" else None,
     }
-    removed_partials = _remove_stale_partials(target)
-    temp = _partial_path(target)
+    removed_partials = remove_stale_partials(target)
+    temp = partial_path(target)
     writer = None
     try:
         writer = open_writer(temp, format, store=store, classes=job.classes, info=info)
