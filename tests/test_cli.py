@@ -480,5 +480,8 @@ def test_fastloader_command_packs_describes_and_explains(folder, tmp_path, capsy
     out = capsys.readouterr().out
     assert all(name in out for name in ("pack", "info", "verify", "bench"))
     assert fastloader_main([]) == 2
+    assert fastloader_main(["bench", "--help"]) == 0
+    assert "usage: fastloader bench" in capsys.readouterr().out
+    assert fastloader_main(["bench", "--only", "nothing"]) == 2
     assert fastloader_main(["frobnicate"]) == 2
     assert "invalid choice: 'frobnicate'" in capsys.readouterr().err
