@@ -22,7 +22,7 @@ from benchmarks._photos import make_image_folder
 from benchmarks._progress import note
 
 # size -> (rounds, images in the folder packed)
-SIZES = {"tiny": (1, 8), "quick": (5, 64), "full": (11, 256)}
+SIZES = {"tiny": (1, 8), "quick": (3, 32), "full": (11, 256)}
 ROOT = Path(__file__).resolve().parents[1]
 _NO_FAST_EXIT = "import sys; from fastloader.cli import main; sys.exit(main(sys.argv[1:]))"
 _WORK = re.compile(r" in (\d+(?:\.\d+)?) s$")
