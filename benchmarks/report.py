@@ -343,6 +343,8 @@ def summary(results: dict, out: Path, plots: list[Path]) -> str:
                 f"{key.replace('_', ' ')} {format_value(_ratio_key(key), value)}"
                 for key, value in result.get("ratios", {}).items()
             ]
+            if result.get("peer_skipped"):
+                ratios.append(f"peer skipped: {result['peer_skipped']}")
             lines.append(f"  {name}: " + ("; ".join(ratios) or "done"))
     written = [out / "results.md", out / "results.json", *plots]
     lines += [
