@@ -263,7 +263,7 @@ def _run_pack(args: argparse.Namespace, prog: str) -> int:
                 **extra,
             )
         except Terminated:
-            print(f"{prog}: terminated (SIGTERM); no output file was left", file=sys.stderr)
+            print(f"{prog}: terminated (SIGTERM)", file=sys.stderr)
             return EXIT_TERMINATED
         except KeyboardInterrupt:
             print(f"{prog}: interrupted", file=sys.stderr)
