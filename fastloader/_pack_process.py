@@ -17,10 +17,62 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from fastloader._pack_worker import Encoded, start_worker
+
+# NOTE [ SIGTERM while packing ]
+# A scheduler's time limit (or `kill`) sends SIGTERM; the CLI handles it like Ctrl-C: within
+# `sigterm_as_interrupt()`, the handler raises Terminated (a KeyboardInterrupt), so pack()
+# cleans up as it does for Ctrl-C (NOTE [ Atomic packing ]). But an exception raised by a
+# signal handler is lost when it lands where Python ignores exceptions: in an at-fork hook
+# (seen: logging's, while the pool forks its workers), a __del__, a weakref callback. So the
+# handler also records the signal, and pack() calls `raise_if_terminated()` after each record
+# and before the final rename: a lost exception is raised again at the next record. A second
+# SIGTERM during the clean-up is ignored (the clean-up is short); SIGKILL still ends it all.
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived (a scheduler's time limit, ``kill``): handled like Ctrl-C."""
+
+
+_terminated = False
+
+
+def raise_if_terminated() -> None:
+    """Raise :class:`Terminated` if SIGTERM arrived in ``sigterm_as_interrupt()``."""
+    if _terminated:
+        raise Terminated
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM raises :class:`Terminated` (see NOTE [ SIGTERM while packing ]).
+
+    Does nothing outside the main thread (Python delivers signals there only) or without
+    SIGTERM (Windows).
+    """
+    global _terminated
+
+    def handler(signum: int, frame: Any) -> None:
+        global _terminated
+        _terminated = True
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated
+
+    if sys.platform == "win32" or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _terminated = False
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        _terminated = False
+
 
 # NOTE [ Forking the packer's workers ]
 # Forked workers share the parent's memory until they write to it, and the garbage collector

@@ -21,10 +21,8 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import signal
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +56,6 @@ STORE_CHOICES = ("encoded", "raw", "jpeg")
 CHECK_CHOICES = ("full", "quick")
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
 EXIT_TERMINATED = 143  # 128 + SIGTERM
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM arrived (a scheduler's time limit, ``kill``): handled like Ctrl-C."""
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
@@ -216,37 +210,12 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     return (PackError, ValueError, OSError)
 
 
-@contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """Within the block, SIGTERM raises :class:`Terminated` (once), so the run cleans up.
-
-    A second SIGTERM during the clean-up is ignored: it is short and bounded; SIGKILL still
-    ends the process (its workers die with it, see NOTE [ Packer processes ] in pack.py).
-    """
-    if sys.platform == "win32":  # no SIGTERM to speak of
-        yield
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise Terminated
-
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def _run_pack(args: argparse.Namespace, prog: str) -> int:
-    with _sigterm_as_interrupt():
-        try:
-            from fastloader.pack import pack
+    from fastloader._pack_process import Terminated, sigterm_as_interrupt
+    from fastloader.pack import pack
 
+    with sigterm_as_interrupt():  # see NOTE [ SIGTERM while packing ]
+        try:
             extra = {} if args.check is None else {"check": args.check}
             summary = pack(
                 args.src,

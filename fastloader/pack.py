@@ -30,6 +30,7 @@ from tqdm import tqdm
 from fastloader._pack_process import (
     frozen_heap,
     partial_path,
+    raise_if_terminated,
     remove_stale_partials,
     start_pool_worker,
 )
@@ -422,6 +423,7 @@ def pack(
         writer.info["skipped"] = len(skipped)
         writer.close()
         _sync(temp)
+        raise_if_terminated()  # see NOTE [ SIGTERM while packing ]
         os.replace(temp, target)
     except BaseException:
         if writer is not None:
@@ -450,6 +452,7 @@ def _write_all(
         else:
             skipped.append((name(index), result.reason))
         bar.update()
+        raise_if_terminated()  # see NOTE [ SIGTERM while packing ]
     return skipped
 
 
