@@ -23,55 +23,63 @@ from typing import Any
 
 from fastloader._pack_worker import Encoded, start_worker
 
-# NOTE [ SIGTERM while packing ]
+# NOTE [ Signals while packing ]
 # A scheduler's time limit (or `kill`) sends SIGTERM; the CLI handles it like Ctrl-C: within
-# `sigterm_as_interrupt()`, the handler raises Terminated (a KeyboardInterrupt), so pack()
-# cleans up as it does for Ctrl-C (NOTE [ Atomic packing ]). But an exception raised by a
-# signal handler is lost when it lands where Python ignores exceptions: in an at-fork hook
+# `signals_as_interrupts()`, SIGTERM raises Terminated (a KeyboardInterrupt) and SIGINT raises
+# KeyboardInterrupt, so pack() cleans up (NOTE [ Atomic packing ]). But an exception raised
+# by a signal handler is lost when it lands where Python ignores exceptions: in an at-fork hook
 # (seen: logging's, while the pool forks its workers), a __del__, a weakref callback. So the
-# handler also records the signal, and pack() calls `raise_if_terminated()` after each record
-# and before the final rename: a lost exception is raised again at the next record. A second
-# SIGTERM during the clean-up is ignored (the clean-up is short); SIGKILL still ends it all.
+# handler also records the signal, and pack() calls `raise_if_signalled()` after each record
+# and before the final rename: a lost exception is raised again at the next record. During the
+# clean-up a second SIGTERM is ignored (the clean-up is short) and a second Ctrl-C interrupts
+# it as usual; SIGKILL still ends it all.
 
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM arrived (a scheduler's time limit, ``kill``): handled like Ctrl-C."""
 
 
-_terminated = False
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_received: int | None = None  # the signal that arrived within signals_as_interrupts()
 
 
-def raise_if_terminated() -> None:
-    """Raise :class:`Terminated` if SIGTERM arrived in ``sigterm_as_interrupt()``."""
-    if _terminated:
+def raise_if_signalled() -> None:
+    """Raise again what SIGTERM or SIGINT raised in ``signals_as_interrupts()``, if it came."""
+    if _received == signal.SIGTERM:
         raise Terminated
+    if _received == signal.SIGINT:
+        raise KeyboardInterrupt
+
+
+def _handler(signum: int, frame: Any) -> None:
+    global _received
+    _received = signum
+    if signum == signal.SIGTERM:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    raise KeyboardInterrupt
 
 
 @contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """Within the block, SIGTERM raises :class:`Terminated` (see NOTE [ SIGTERM while packing ]).
+def signals_as_interrupts() -> Iterator[None]:
+    """Within the block SIGTERM raises :class:`Terminated` and SIGINT KeyboardInterrupt, both
+    also recorded for :func:`raise_if_signalled` (see NOTE [ Signals while packing ]).
 
-    Does nothing outside the main thread (Python delivers signals there only) or without
-    SIGTERM (Windows).
+    Does nothing outside the main thread (Python delivers signals there only) or on Windows.
     """
-    global _terminated
-
-    def handler(signum: int, frame: Any) -> None:
-        global _terminated
-        _terminated = True
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise Terminated
-
+    global _received
     if sys.platform == "win32" or threading.current_thread() is not threading.main_thread():
         yield
         return
-    _terminated = False
-    previous = signal.signal(signal.SIGTERM, handler)
+    _received = None
+    previous = {number: signal.signal(number, _handler) for number in _SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        _terminated = False
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        _received = None
 
 
 # NOTE [ Forking the packer's workers ]

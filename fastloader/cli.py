@@ -211,10 +211,10 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
 
 
 def _run_pack(args: argparse.Namespace, prog: str) -> int:
-    from fastloader._pack_process import Terminated, sigterm_as_interrupt
+    from fastloader._pack_process import Terminated, signals_as_interrupts
     from fastloader.pack import pack
 
-    with sigterm_as_interrupt():  # see NOTE [ SIGTERM while packing ]
+    with signals_as_interrupts():  # see NOTE [ Signals while packing ]
         try:
             extra = {} if args.check is None else {"check": args.check}
             summary = pack(

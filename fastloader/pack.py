@@ -30,7 +30,7 @@ from tqdm import tqdm
 from fastloader._pack_process import (
     frozen_heap,
     partial_path,
-    raise_if_terminated,
+    raise_if_signalled,
     remove_stale_partials,
     start_pool_worker,
 )
@@ -423,7 +423,7 @@ def pack(
         writer.info["skipped"] = len(skipped)
         writer.close()
         _sync(temp)
-        raise_if_terminated()  # see NOTE [ SIGTERM while packing ]
+        raise_if_signalled()  # see NOTE [ Signals while packing ]
         os.replace(temp, target)
     except BaseException:
         if writer is not None:
@@ -452,7 +452,7 @@ def _write_all(
         else:
             skipped.append((name(index), result.reason))
         bar.update()
-        raise_if_terminated()  # see NOTE [ SIGTERM while packing ]
+        raise_if_signalled()  # see NOTE [ Signals while packing ]
     return skipped
 
 
