@@ -126,7 +126,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks") 
     bars = sys.stderr.isatty()
     expected = EXPECTED_SECONDS.get(args.size, {})
     print(
-        f"Running {len(args.only)} comparisons at size {args.size} "
+        f"Running {len(args.only)} comparison{'s' if len(args.only) > 1 else ''} at size "
+        f"{args.size} "
         f"({', '.join(args.only)}); results go to {out}/",
         file=sys.stderr,
         flush=True,

@@ -232,6 +232,7 @@ def _throughput_bars(comparisons: dict) -> list[tuple[str, str, list[str], list[
 # --- the summary printed at the end of a run -----------------------------------------------
 
 _BASELINES = ("torch", "torch_persistent")
+_SMALL_TABLE = 6  # a comparison's table of at most 6 rows and 6 columns is printed in full
 _LOADER_NAMES = {"torch": "torch", "torch_persistent": "torch persistent"}
 #: Where the README's table comes from.
 README_RESULTS = Path(__file__).resolve().parent / "results" / "results.json"
@@ -346,6 +347,9 @@ def summary(results: dict, out: Path, plots: list[Path]) -> str:
             if result.get("peer_skipped"):
                 ratios.append(f"peer skipped: {result['peer_skipped']}")
             lines.append(f"  {name}: " + ("; ".join(ratios) or "done"))
+            rows = result.get("rows") or []
+            if 0 < len(rows) <= _SMALL_TABLE and len(_columns(rows)) <= _SMALL_TABLE:
+                lines += ["    " + line for line in format_table(rows).splitlines()]
     written = [out / "results.md", out / "results.json", *plots]
     lines += [
         "",
