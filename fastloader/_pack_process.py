@@ -2,7 +2,7 @@
 not copy the parent's heap, and the removal of partial files left by killed runs.
 
 The pool initializer runs in the worker processes; everything else in the main process
-(see NOTE [ Packer processes ], NOTE [ Atomic packing ] in pack.py).
+(NOTE [ Packer processes ] below; NOTE [ Atomic packing ] in pack.py).
 """
 
 from __future__ import annotations
