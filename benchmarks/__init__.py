@@ -9,10 +9,12 @@ rows, ratios and notes (see ``report.py`` for the shape):
 - ``packing``: ``fastloader.pack`` throughput vs litdata's ``optimize``, and reading back;
 - ``memory``: worker memory over epochs, packed datasets vs the image folder;
 - ``gpu_step``: a GPU training step fed by each loader (skipped without CUDA);
-- ``distributed``: the global order of ``distributed=True`` vs DistributedSampler, state size.
+- ``distributed``: the global order of ``distributed=True`` vs DistributedSampler, state size;
+- ``cli_startup``: how fast ``fastloader-pack`` answers (``--help``, ``--info``, a usage
+  error) and how much of a small pack's wall time is not packing.
 
 The data is made at run time from the photos scikit-image ships (``_photos.py``).
 """
 
-COMPARISONS = ("loader", "formats", "packing", "memory", "gpu_step", "distributed")
+COMPARISONS = ("loader", "formats", "packing", "memory", "gpu_step", "distributed", "cli_startup")
 SIZES = ("tiny", "quick", "full")

@@ -5,10 +5,14 @@ Usage::
     python -m benchmarks [--size tiny|quick|full] [--quick] [--out DIR] [--only NAME,...]
                          [--keep-work]
 
-``quick`` (the default, also ``--quick``) takes under two minutes on 2 cores; ``full`` under
+``quick`` (the default, also ``--quick``) takes a few minutes on 2 cores; ``full`` under
 fifteen; ``tiny`` seconds (the smoke test). Data is made under ``DIR/work`` and removed at the
 end unless ``--keep-work``. A comparison that raises is recorded with its error and the others
 still run; the exit status is then 1.
+
+While it runs, stderr shows one progress bar per comparison (a line each when stderr is not a
+terminal). At the end, stdout gets a compact summary (every ratio against both torch
+baselines) and where the full tables and plots went.
 """
 
 from __future__ import annotations
@@ -30,12 +34,23 @@ import torch
 
 from benchmarks import COMPARISONS, SIZES, report
 from benchmarks._photos import source_photos
+from benchmarks._progress import Stage
+
+#: Seconds each comparison took on the shared 2-core box (for the progress bars; rounded up).
+#: A comparison not listed shows its elapsed time only.
+EXPECTED_SECONDS = {
+    "tiny": {"loader": 10, "formats": 10, "packing": 10, "memory": 10, "cli_startup": 15},
+    "quick": {"loader": 60, "formats": 45, "packing": 30, "memory": 25, "cli_startup": 45},
+    "full": {"loader": 95, "formats": 170, "packing": 90, "memory": 35, "cli_startup": 120},
+}
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def parse_args(
+    argv: Sequence[str] | None, prog: str = "python -m benchmarks"
+) -> argparse.Namespace:
     """Parse the command line (see the module docstring)."""
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks",
+        prog=prog,
         description="fastloader vs torch's DataLoader (and packed formats vs image folders, "
         "and litdata) on the same data, in one run.",
     )
@@ -100,25 +115,37 @@ def run_comparison(name: str, size: str, workdir: Path) -> dict:
     return {**summary, **result, "seconds": round(time.perf_counter() - started, 1)}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks") -> int:
     """Run the suite; return 0, or 1 if a comparison raised."""
-    args = parse_args(argv)
+    args = parse_args(argv, prog)
     out = args.out
     workdir = out / "work"
     workdir.mkdir(parents=True, exist_ok=True)
     results = {"machine": machine_info(), "size": args.size, "comparisons": {}}
     started = time.perf_counter()
+    bars = sys.stderr.isatty()
+    expected = EXPECTED_SECONDS.get(args.size, {})
+    print(
+        f"Running {len(args.only)} comparison{'s' if len(args.only) > 1 else ''} at size "
+        f"{args.size} "
+        f"({', '.join(args.only)}); results go to {out}/",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         for index, name in enumerate(args.only, 1):
-            print(f"[{index}/{len(args.only)}] {name} ...", file=sys.stderr, flush=True)
-            result = run_comparison(name, args.size, workdir)
-            results["comparisons"][name] = result
-            status = "skipped" if result["skipped"] else "error" if "error" in result else "done"
-            print(
-                f"[{index}/{len(args.only)}] {name}: {status} in {result['seconds']:.1f} s",
-                file=sys.stderr,
-                flush=True,
-            )
+            label = f"[{index}/{len(args.only)}] {name}"
+            with Stage(label, expected.get(name), bars) as stage:
+                result = run_comparison(name, args.size, workdir)
+                results["comparisons"][name] = result
+                status = (
+                    f"skipped ({result['skipped']})"
+                    if result["skipped"]
+                    else "error (see the end)"
+                    if "error" in result
+                    else "done"
+                )
+                stage.finish(f"{status} in {result['seconds']:.0f} s")
     finally:
         if not args.keep_work:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -128,11 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results["plots_skipped"] = plots_skipped
     report.write_json(results, out / "results.json")
     (out / "results.md").write_text(report.render(results, markdown=True))
-    print(report.render(results))
-    print(
-        f"total {results['seconds']:.0f} s; wrote {out / 'results.json'}, "
-        f"{out / 'results.md'}" + "".join(f", {plot}" for plot in plots)
-    )
+    print(report.summary(results, out, plots))
     if plots_skipped:
         print(plots_skipped)
     errors = [name for name, result in results["comparisons"].items() if "error" in result]

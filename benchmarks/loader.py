@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset
 
 from benchmarks._photos import photo_jpegs
+from benchmarks._progress import note
 from fastloader import DataLoader
 from fastloader.seeding import sample_seed, seed_rngs
 
@@ -100,6 +101,7 @@ def _throughput(jpegs: list[bytes], batch: int, rounds: int) -> dict[str, list[f
     names = list(loaders)
     rates: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(rounds):
+        note(f"steady throughput, round {round_ + 1} of {rounds}")
         for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
             rates[name] += _time_epochs(loaders[name], 2, 0.0)["steady_samples_per_s"]
     for loader in loaders.values():
@@ -166,12 +168,16 @@ def _seeding_overhead_us(samples: int, repeats: int = 5) -> dict[str, float]:
 def run(size: str, workdir: Path) -> dict:
     """Run the loader comparison at ``size`` ("tiny", "quick", "full")."""
     samples, batch, rounds, epochs, startup_s, seeding_samples = SIZES[size]
+    note("making the photos")
     jpegs = photo_jpegs(samples)
     rates = _throughput(jpegs, batch, rounds)
     steady = {name: statistics.median(values) for name, values in rates.items()}
     step_s = STEP_IN_BATCH_INTERVALS * batch / steady["fastloader"]
+    note(f"first batch of {epochs} epochs, with a training step")
     epochs_result = _epoch_comparison(jpegs, epochs, batch, step_s)
+    note(f"a dataset with {startup_s} s of start-up per worker")
     startup = _startup_comparison(jpegs[: batch * 4], batch, startup_s)
+    note("seeding overhead")
     seeding = _seeding_overhead_us(seeding_samples)
 
     def later_first_batch(name: str) -> float:

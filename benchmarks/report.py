@@ -227,3 +227,133 @@ def _throughput_bars(comparisons: dict) -> list[tuple[str, str, list[str], list[
             )
         )
     return panels
+
+
+# --- the summary printed at the end of a run -----------------------------------------------
+
+_BASELINES = ("torch", "torch_persistent")
+_SMALL_TABLE = 6  # a comparison's table of at most 6 rows and 6 columns is printed in full
+_LOADER_NAMES = {"torch": "torch", "torch_persistent": "torch persistent"}
+#: Where the README's table comes from.
+README_RESULTS = Path(__file__).resolve().parent / "results" / "results.json"
+
+
+def _ratio(value: float) -> str:
+    return f"{value:.2f}x" if value < 10 else f"{value:.1f}x"
+
+
+def _aligned(header: list[str], rows: list[list[str]]) -> str:
+    """A plain table: first column left-aligned, the others right-aligned."""
+    widths = [max(len(line[i]) for line in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            cell.ljust(width) if i == 0 else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    return "\n".join(
+        [line(header), line(["-" * width for width in widths])] + [line(r) for r in rows]
+    )
+
+
+def loader_summary(result: dict) -> str:
+    """The loader comparison at a glance: each loader against both torch baselines.
+
+    Ratios are "higher is better" everywhere: samples/s over the baseline's, and the
+    baseline's time to the first batch over this loader's.
+    """
+    rows = {row["loader"]: row for row in result.get("rows", [])}
+    if not all(name in rows for name in _BASELINES):
+        return ""
+    rate = {name: row["steady_samples_per_s"] for name, row in rows.items()}
+    first = {name: row["first_batch_ms_later_median"] for name, row in rows.items()}
+    header = ["loader", "samples/s", "vs torch", "vs torch persistent"]
+    header += ["first batch, later epochs", "vs torch", "vs torch persistent"]
+    table = []
+    for name in rows:
+        table.append(
+            [_LOADER_NAMES.get(name, name), f"{rate[name]:.0f}"]
+            + [_ratio(rate[name] / rate[base]) for base in _BASELINES]
+            + [f"{first[name]:.1f} ms"]
+            + [_ratio(first[base] / first[name]) for base in _BASELINES]
+        )
+    config = result.get("config", {})
+    lines = [
+        f"fastloader vs torch's DataLoader ({config.get('num_workers', 2)} workers, "
+        f"batches of {config.get('batch_size', '?')} decoded JPEG photos); "
+        "every ratio is higher-is-better",
+        "",
+        _aligned(header, table),
+    ]
+    startup = {name: row.get("startup_dataset_epoch2_first_batch_ms") for name, row in rows.items()}
+    if "fastloader" in rows and all(startup.values()):
+        ours = startup["fastloader"]
+        against = ", ".join(
+            f"{_LOADER_NAMES[base]} {startup[base]:.1f} ms ({_ratio(startup[base] / ours)})"
+            for base in _BASELINES
+        )
+        lines += [
+            "",
+            f"dataset with {config.get('startup_s', '?')} s of start-up in each worker, first "
+            f"batch of epoch 2: fastloader {ours:.1f} ms; {against}",
+        ]
+    lines += [
+        "",
+        "samples/s: steady throughput, no training step; first batch: median of epochs 2 and "
+        f"later, with a {config.get('step_ms', '?')} ms training step per batch",
+    ]
+    return "\n".join(lines)
+
+
+def _readme_source() -> str:
+    """Which run the README's table comes from, from benchmarks/results/results.json."""
+    try:
+        machine = json.loads(README_RESULTS.read_text())["machine"]
+    except (OSError, ValueError, KeyError):
+        return "The README's table comes from `python -m benchmarks --size full`."
+    gpu = machine.get("cuda") or "no GPU"
+    return (
+        "The README's table comes from `python -m benchmarks --size full` on a "
+        f"{machine.get('usable_cpus', '?')}-CPU {machine.get('processor', '')} machine shared "
+        f"with other work ({gpu}; Python {machine.get('python', '?')}, torch "
+        f"{machine.get('torch', '?')}; {str(machine.get('date', ''))[:10]}): "
+        "compare ratios, not absolute speeds, across machines and sizes."
+    )
+
+
+def summary(results: dict, out: Path, plots: list[Path]) -> str:
+    """What a person reads at the end of a run: the loader table, each other comparison's
+    ratios in one line or two, and where the full results went."""
+    comparisons = results["comparisons"]
+    lines = [f"fastloader benchmarks, size {results['size']} ({results.get('seconds', 0):.0f} s)"]
+    loader = comparisons.get("loader")
+    if loader and not loader.get("skipped") and not loader.get("error"):
+        lines += ["", loader_summary(loader)]
+    others = [name for name in comparisons if name != "loader" or len(lines) == 1]
+    if others:
+        lines += ["", "other comparisons (ratios; the tables are in results.md):"]
+    for name in others:
+        result = comparisons[name]
+        if result.get("skipped"):
+            lines.append(f"  {name}: skipped: {result['skipped']}")
+        elif result.get("error"):
+            lines.append(f"  {name}: ERROR: {result['error'].strip().splitlines()[-1]}")
+        else:
+            ratios = [
+                f"{key.replace('_', ' ')} {format_value(_ratio_key(key), value)}"
+                for key, value in result.get("ratios", {}).items()
+            ]
+            if result.get("peer_skipped"):
+                ratios.append(f"peer skipped: {result['peer_skipped']}")
+            lines.append(f"  {name}: " + ("; ".join(ratios) or "done"))
+            rows = result.get("rows") or []
+            if 0 < len(rows) <= _SMALL_TABLE and len(_columns(rows)) <= _SMALL_TABLE:
+                lines += ["    " + line for line in format_table(rows).splitlines()]
+    written = [out / "results.md", out / "results.json", *plots]
+    lines += [
+        "",
+        "full results: " + ", ".join(str(path) for path in written),
+        f"these numbers are this machine's at size {results['size']}. " + _readme_source(),
+    ]
+    return "\n".join(lines)

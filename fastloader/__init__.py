@@ -1,12 +1,38 @@
 """fastloader: a drop-in, faster torch DataLoader with packed LMDB/HDF5 datasets."""
 
-from fastloader.device import DevicePrefetcher, move_to_device, pin, resolve_device
-from fastloader.formats import HDF5Dataset, LMDBDataset, PackError, open_pack, read_metadata
-from fastloader.loader import DataLoader
-from fastloader.pack import PackSummary, pack
-from fastloader.stats import EpochStats, LoaderStats, timed_iter
-from fastloader.transforms import Normalize
+from __future__ import annotations
 
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+# NOTE [ Lazy public API ]
+# The names below are imported from their modules on first use (PEP 562), so that importing a
+# submodule that needs no torch (fastloader.cli for `--help`, a usage error) does not pay for
+# importing torch (seconds on a loaded machine). `from fastloader import DataLoader` works as
+# before; so do `fastloader.DataLoader` and `dir(fastloader)`. One name is also a submodule:
+# `fastloader.pack` is the function, as it was with eager imports, even after the submodule
+# fastloader/pack.py is imported (the import system then sets the attribute to the module;
+# _Package puts the function back).
+_EXPORTS = {
+    "DataLoader": "fastloader.loader",
+    "DevicePrefetcher": "fastloader.device",
+    "EpochStats": "fastloader.stats",
+    "HDF5Dataset": "fastloader.formats",
+    "LMDBDataset": "fastloader.formats",
+    "LoaderStats": "fastloader.stats",
+    "Normalize": "fastloader.transforms",
+    "PackSummary": "fastloader.pack",
+    "PackError": "fastloader.formats",
+    "move_to_device": "fastloader.device",
+    "open_pack": "fastloader.formats",
+    "pack": "fastloader.pack",
+    "pin": "fastloader.device",
+    "read_metadata": "fastloader.formats",
+    "resolve_device": "fastloader.device",
+    "timed_iter": "fastloader.stats",
+}
 __all__ = [
     "DataLoader",
     "DevicePrefetcher",
@@ -26,3 +52,34 @@ __all__ = [
     "timed_iter",
 ]
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from fastloader.device import DevicePrefetcher, move_to_device, pin, resolve_device
+    from fastloader.formats import HDF5Dataset, LMDBDataset, PackError, open_pack, read_metadata
+    from fastloader.loader import DataLoader
+    from fastloader.pack import PackSummary, pack
+    from fastloader.stats import EpochStats, LoaderStats, timed_iter
+    from fastloader.transforms import Normalize
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fastloader' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "pack" and isinstance(value, types.ModuleType):
+            value = value.pack  # see NOTE [ Lazy public API ]
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -1,45 +1,89 @@
-"""``fastloader-pack``: argument parsing only; the work is :func:`fastloader.pack.pack`.
+"""The console commands: argument parsing only; the work is in the library.
 
-Usage::
+``fastloader-pack`` (packing, as it always was)::
 
     fastloader-pack SRC DST [--format lmdb|hdf5] [--store encoded|raw|jpeg] [--quality Q]
-                    [--max-side N] [--short-side N] [--workers N] [--overwrite] [--strict]
-                    [--quiet]
+                    [--max-side N] [--short-side N] [--workers N] [--check full|quick]
+                    [--overwrite] [--strict] [--quiet]
     fastloader-pack --info PACK
+    fastloader-pack --verify PACK
+
+``fastloader`` (the same, as subcommands, plus the benchmark demo)::
+
+    fastloader pack SRC DST [options]     fastloader info PACK
+    fastloader verify PACK [--quiet]      fastloader bench [--quick | --size full ...]
+
+See NOTE [ Fast command start-up ] for why nothing heavy is imported at module level.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
-from fastloader.formats import FORMATS, STORE_MODES, PackError, read_metadata
-from fastloader.pack import human_size, pack
+# NOTE [ Fast command start-up ]
+# `--help` and usage errors must answer at once, and torch alone takes seconds to import on a
+# loaded machine. So this module imports only the standard library; torch, NumPy, PIL, h5py and
+# lmdb come in with the library module a command calls (fastloader.pack for packing,
+# fastloader.formats for --info), inside the function that runs that command. fastloader's
+# __init__ is lazy for the same reason (see NOTE [ Lazy public API ]). The choices below repeat
+# fastloader.formats.FORMATS / STORE_MODES (tests/test_cli.py checks they agree).
+# benchmarks/cli_startup.py measures the commands' start-up.
+
+# NOTE [ Fast exit ]
+# Once torch is imported, the interpreter's final garbage collections walk its millions of
+# objects: measured 0.8-1.8 s of exit on the shared 2-core box, after a pack that took 2 s.
+# Run as a program (argv=None: a console script or `python -m`), a command ends with
+# gc.freeze(), which moves every object out of the collector's reach: exit then took ~0.25 s.
+# atexit handlers and finalizers still run; nothing is skipped but the walk over live
+# objects. Called from Python with an argv list (tests, other tools), nothing is frozen.
+
+
+def _finish(code: int, argv: Sequence[str] | None) -> int:
+    if argv is None:
+        gc.freeze()  # see NOTE [ Fast exit ]
+    return code
+
 
 PROG = "fastloader-pack"
-# Expected failures: a one-line message and exit status 1, no traceback. (OSError covers the
-# file errors: FileNotFoundError, FileExistsError, PermissionError, NotADirectoryError, ...)
-_EXPECTED = (PackError, ValueError, OSError)
+FORMAT_CHOICES = ("lmdb", "hdf5")
+STORE_CHOICES = ("encoded", "raw", "jpeg")
+CHECK_CHOICES = ("full", "quick")
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Return the argument parser of ``fastloader-pack``."""
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    """Return the argument parser of ``fastloader-pack`` (``fastloader pack`` when ``prog``)."""
+    subcommand = prog != PROG
     parser = argparse.ArgumentParser(
-        prog=PROG,
+        prog=prog,
         description="Pack an image folder (torchvision ImageFolder layout: one subfolder per "
         "class) into one LMDB or HDF5 file for fastloader.LMDBDataset / HDF5Dataset.",
     )
     parser.add_argument("src", nargs="?", metavar="SRC", help="the image folder")
-    parser.add_argument("dst", nargs="?", metavar="DST", help="the pack: .lmdb, .h5 or .hdf5")
-    parser.add_argument("--info", metavar="PACK", help="print what a pack holds, and exit")
     parser.add_argument(
-        "--format", choices=tuple(FORMATS), help="default: from DST's suffix (.lmdb, .h5, .hdf5)"
+        "dst", nargs="?", metavar="DST", help="the pack file to write: NAME.lmdb, .h5 or .hdf5"
+    )
+    if not subcommand:
+        parser.add_argument("--info", metavar="PACK", help="print what a pack holds, and exit")
+        parser.add_argument(
+            "--verify",
+            metavar="PACK",
+            help="read and check every record of a pack, and exit (0: clean, 1: bad records, "
+            "2: unreadable)",
+        )
+    parser.add_argument(
+        "--format", choices=FORMAT_CHOICES, help="default: from DST's suffix (.lmdb, .h5, .hdf5)"
     )
     parser.add_argument(
         "--store",
-        choices=STORE_MODES,
+        choices=STORE_CHOICES,
         default="encoded",
         help="encoded: the files' bytes (default); raw: decoded RGB pixels; jpeg: re-encoded",
     )
@@ -65,24 +109,41 @@ def build_parser() -> argparse.ArgumentParser:
         help="decoding processes (default: all usable CPUs; none for --store encoded, whose "
         "files are only checked)",
     )
+    parser.add_argument(
+        "--check",
+        choices=CHECK_CHOICES,
+        help="how each input image is checked before it is packed: full (decode it all) or "
+        "quick (cheaper); default: the library's",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     parser.add_argument(
         "--strict", action="store_true", help="fail on the first unreadable image (else skip it)"
     )
     parser.add_argument(
-        "-q", "--quiet", action="store_true", help="no progress bar and no summary on success"
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no progress bar and no summary; skipped files are still listed on stderr",
     )
     return parser
 
 
 def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
-    if args.info is not None:
-        if args.src is not None or args.dst is not None:
-            parser.error("--info takes only the pack to describe")
-        return args
+    for flag in ("info", "verify"):
+        if getattr(args, flag, None) is not None:
+            if args.src is not None or args.dst is not None:
+                parser.error(f"--{flag} takes only the pack, no SRC or DST")
+            other = "verify" if flag == "info" else "info"
+            if getattr(args, other, None) is not None:
+                parser.error("use --info or --verify, not both")
+            return args
     if args.dst is None:
-        parser.error("SRC and DST are required (or --info PACK)")
+        parser.error(
+            "SRC and DST are required (or --info PACK)"
+            if hasattr(args, "info")
+            else "SRC and DST are required"
+        )
     if args.quality is not None and args.store != "jpeg":
         parser.error("--quality applies to --store jpeg")
     if args.quality is not None and not 1 <= args.quality <= 100:
@@ -107,6 +168,8 @@ def describe(path: str) -> str:
         PackError: if the file is not a complete fastloader pack.
         FileNotFoundError: if it does not exist.
     """
+    from fastloader.formats import read_metadata
+
     metadata = read_metadata(path)
     classes = metadata["classes"]
     names = ", ".join(classes[:5]) + (", ..." if len(classes) > 5 else "")
@@ -117,7 +180,7 @@ def describe(path: str) -> str:
         f"store:    {metadata['store']}",
         f"count:    {metadata['count']}",
         f"classes:  {len(classes)}" + (f" ({names})" if classes else ""),
-        f"size:     {human_size(os.path.getsize(path))}",
+        f"size:     {_human_size(os.path.getsize(path))}",
     ]
     if info:
         lines.append("info:")
@@ -125,10 +188,105 @@ def describe(path: str) -> str:
     return "\n".join(lines)
 
 
+def _human_size(size: float) -> str:
+    from fastloader.pack import human_size
+
+    return human_size(size)
+
+
 def _one_line(error: BaseException) -> str:
     if isinstance(error, OSError) and error.strerror and error.filename:
         return f"{error.filename}: {error.strerror}"
     return " ".join(str(error).split()) or type(error).__name__
+
+
+def _expected_errors() -> tuple[type[BaseException], ...]:
+    """Failures that get a one-line message and exit status 1, no traceback.
+
+    OSError covers the file errors: FileNotFoundError, FileExistsError, PermissionError, ...
+    """
+    from fastloader.formats import PackError
+
+    return (PackError, ValueError, OSError)
+
+
+def _run_pack(args: argparse.Namespace, prog: str) -> int:
+    from fastloader._pack_process import Terminated, signals_as_interrupts
+    from fastloader.pack import pack
+
+    with signals_as_interrupts():  # see NOTE [ Signals while packing ]
+        try:
+            extra = {} if args.check is None else {"check": args.check}
+            summary = pack(
+                args.src,
+                args.dst,
+                format=args.format,
+                store=args.store,
+                quality=90 if args.quality is None else args.quality,
+                max_side=args.max_side,
+                short_side=args.short_side,
+                workers=args.workers,
+                overwrite=args.overwrite,
+                strict=args.strict,
+                progress=False if args.quiet else None,
+                **extra,
+            )
+        except Terminated:
+            print(f"{prog}: terminated (SIGTERM)", file=sys.stderr)
+            return EXIT_TERMINATED
+        except KeyboardInterrupt:
+            print(f"{prog}: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except _expected_errors() as error:
+            print(f"{prog}: error: {_one_line(error)}", file=sys.stderr)
+            return 1
+    if not args.quiet:
+        for path, pid in summary.removed_partials:
+            print(
+                f"{prog}: removed {path}, left by packer process {pid} that no longer runs",
+                file=sys.stderr,
+            )
+        print(summary.headline())
+        if summary.skipped:
+            print(f"skipped {len(summary.skipped)} unreadable images, listed on stderr")
+    # The skipped files are never silenced: a user must know what is missing from the pack.
+    for where, reason in summary.skipped:
+        print(f"{prog}: skipped {where}: {reason}", file=sys.stderr)
+    return 0
+
+
+def _run_info(path: str, prog: str) -> int:
+    try:
+        print(describe(path))
+    except _expected_errors() as error:
+        print(f"{prog}: error: {_one_line(error)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_verify(path: str, quiet: bool, prog: str) -> int:
+    """Run ``fastloader.formats.verify.run_cli``: 0 clean, 1 bad records, 2 unreadable."""
+    try:
+        from fastloader.formats.verify import run_cli
+    except ImportError as error:
+        print(
+            f"{prog}: error: verifying packs needs fastloader.formats.verify ({error})",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        return run_cli(path, quiet=quiet)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _usage_exit(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Any:
+    """``_parse``, or the exit status of --help (0) or of a usage error (2)."""
+    try:
+        return _parse(parser, argv)
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -139,41 +297,107 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         the exit status: 0 on success, 1 for an error (one line on stderr), 2 for a usage
-        error, 130 when interrupted. An interrupted or failed run leaves no output file.
+        error, 130 when interrupted (Ctrl-C), 143 when terminated (SIGTERM). An interrupted,
+        terminated or failed run leaves no output file. ``--verify``: see ``fastloader verify``.
     """
-    parser = build_parser()
-    try:
-        args = _parse(parser, argv)
-    except SystemExit as exit_:  # argparse: --help (0) or a usage error (2)
-        return exit_.code if isinstance(exit_.code, int) else 2
-    try:
-        if args.info is not None:
-            print(describe(args.info))
-            return 0
-        summary = pack(
-            args.src,
-            args.dst,
-            format=args.format,
-            store=args.store,
-            quality=90 if args.quality is None else args.quality,
-            max_side=args.max_side,
-            short_side=args.short_side,
-            workers=args.workers,
-            overwrite=args.overwrite,
-            strict=args.strict,
-            progress=False if args.quiet else None,
+    args = _usage_exit(build_parser(), argv)
+    if isinstance(args, int):
+        return args
+    if args.info is not None:
+        return _finish(_run_info(args.info, PROG), argv)
+    if args.verify is not None:
+        return _finish(_run_verify(args.verify, args.quiet, PROG), argv)
+    return _finish(_run_pack(args, PROG), argv)
+
+
+# --- `fastloader`: the same commands as subcommands -------------------------------------------
+
+_COMMANDS = {
+    "pack": "pack an image folder into one LMDB or HDF5 file (as fastloader-pack)",
+    "info": "print what a pack holds",
+    "verify": "read and check every record of a pack (exit 0 clean, 1 bad records, 2 unreadable)",
+    "bench": "run the benchmark demo from a source checkout (python -m benchmarks; see --help)",
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fastloader",
+        description="fastloader's command line: pack image folders, inspect and verify packs, "
+        "run the benchmark demo. `fastloader COMMAND --help` for each command's options.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_text in _COMMANDS.items():
+        commands.add_parser(name, help=help_text)
+    return parser
+
+
+def _pack_parser_for(name: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"fastloader {name}", description=_COMMANDS[name])
+    parser.add_argument("pack", metavar="PACK", help="a .lmdb, .h5 or .hdf5 pack")
+    if name == "verify":
+        parser.add_argument(
+            "-q", "--quiet", action="store_true", help="print only what is wrong, if anything"
         )
+    return parser
+
+
+def _run_bench(argv: Sequence[str]) -> int:
+    """Run ``benchmarks.__main__.main(argv)`` from the checkout this package was installed from."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "benchmarks" / "__main__.py").is_file():
+        print(
+            "fastloader bench: error: the benchmarks ship with the source checkout, not the "
+            'installed package: clone the repository, `pip install -e ".[bench]"` there, and '
+            "run `fastloader bench` (or `python -m benchmarks`) from it",
+            file=sys.stderr,
+        )
+        return 2
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from benchmarks.__main__ import main as bench_main
+
+    try:
+        return bench_main(list(argv), prog="fastloader bench")
+    except SystemExit as exit_:  # --help, a usage error
+        return exit_.code if isinstance(exit_.code, int) else 2
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
-    except _EXPECTED as error:
-        print(f"{PROG}: error: {_one_line(error)}", file=sys.stderr)
-        return 1
-    if not args.quiet:
-        print(summary)
-    elif summary.skipped:
-        print(f"{PROG}: skipped {len(summary.skipped)} unreadable images", file=sys.stderr)
-    return 0
+        print("fastloader bench: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def fastloader_main(argv: Sequence[str] | None = None) -> int:
+    """Run ``fastloader COMMAND ...``; returns the command's exit status (2: usage error)."""
+    code = _fastloader(list(sys.argv[1:] if argv is None else argv))
+    return _finish(code, argv)
+
+
+def _fastloader(argv: list[str]) -> int:
+    command, rest = (argv[0], argv[1:]) if argv else (None, [])
+    if command == "bench":
+        return _run_bench(rest)
+    if command == "pack":
+        prog = "fastloader pack"
+        args = _usage_exit(build_parser(prog), rest)
+        return args if isinstance(args, int) else _run_pack(args, prog)
+    if command in ("info", "verify"):
+        try:
+            args = _pack_parser_for(command).parse_args(rest)
+        except SystemExit as exit_:
+            return exit_.code if isinstance(exit_.code, int) else 2
+        prog = f"fastloader {command}"
+        if command == "info":
+            return _run_info(args.pack, prog)
+        return _run_verify(args.pack, args.quiet, prog)
+    parser = _top_parser()
+    if not argv:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        parser.parse_args(argv)  # --help: 0; anything else is not a command: 2
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else 2
+    return 2
 
 
 if __name__ == "__main__":

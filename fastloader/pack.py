@@ -27,6 +27,13 @@ from typing import Any, NamedTuple
 
 from tqdm import tqdm
 
+from fastloader._pack_process import (
+    frozen_heap,
+    partial_path,
+    raise_if_signalled,
+    remove_stale_partials,
+    start_pool_worker,
+)
 from fastloader._pack_worker import (
     DatasetEncoder,
     Encoded,
@@ -34,7 +41,6 @@ from fastloader._pack_worker import (
     Options,
     check_label,
     encode_chunk,
-    start_worker,
 )
 from fastloader.formats import (
     STORE_MODES,
@@ -67,6 +73,8 @@ class PackSummary:
         skipped: ``(path or dataset index, reason)`` for every input that could not be read.
         size_bytes: the size of the file written.
         seconds: how long packing took.
+        removed_partials: ``(path, pid)`` of each partial file of a packer process that no
+            longer runs, removed before packing (see NOTE [ Atomic packing ]).
     """
 
     path: Path
@@ -77,13 +85,22 @@ class PackSummary:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     size_bytes: int = 0
     seconds: float = 0.0
+    removed_partials: list[tuple[Path, int]] = field(default_factory=list)
 
-    def __str__(self) -> str:
-        lines = [
+    def headline(self) -> str:
+        """One line: what was packed, where, how big, how fast."""
+        return (
             f"packed {self.count} images of {len(self.classes)} classes into {self.path} "
             f"({self.format}, store={self.store}, {human_size(self.size_bytes)}) "
             f"in {self.seconds:.1f} s"
+        )
+
+    def __str__(self) -> str:
+        lines = [
+            f"removed {path}, left by packer process {pid} that no longer runs"
+            for path, pid in self.removed_partials
         ]
+        lines.append(self.headline())
         if self.skipped:
             lines.append(f"skipped {len(self.skipped)} unreadable:")
             lines += [f"  {where}: {reason}" for where, reason in self.skipped[:20]]
@@ -159,11 +176,13 @@ def _encode_all(encoder: Callable, items: Sequence, workers: int) -> Iterator[En
         return
     size = max(1, min(_CHUNK, len(items) // (workers * 4)))
     context = multiprocessing.get_context(_start_method())
-    executor = ProcessPoolExecutor(workers, context, start_worker, (encoder,))
+    executor = ProcessPoolExecutor(workers, context, start_pool_worker, (encoder, os.getpid()))
     try:
         pending: deque = deque()
         for start in range(0, len(items), size):
-            pending.append(executor.submit(encode_chunk, list(items[start : start + size])))
+            with frozen_heap() if start == 0 else contextlib.nullcontext():
+                # the first submit starts the workers: NOTE [ Forking the packer's workers ]
+                pending.append(executor.submit(encode_chunk, list(items[start : start + size])))
             if len(pending) >= 2 * workers + 2:
                 yield from pending.popleft().result()
         while pending:
@@ -249,10 +268,24 @@ def _check_options(
             raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def _target_format(target: Path, format: str | None, source: Any) -> str:
+    """The format to write: ``format``, else from the suffix, with a message in user's words."""
+    if target.is_dir():
+        name = Path(os.fspath(source)).name if isinstance(source, (str, os.PathLike)) else ""
+        example = target / f"{name or 'train'}.lmdb"
+        raise IsADirectoryError(
+            f"{target}: is a folder; DST is the pack file to write, e.g. {example}"
+        )
+    if format is None and not target.suffix:
+        raise ValueError(
+            f"{target}: no suffix to tell the format from: name the pack file "
+            f"{target.name}.lmdb, {target.name}.h5 or {target.name}.hdf5, or choose the format"
+        )
+    return format or format_from_suffix(target)
+
+
 def _check_target(target: Path, overwrite: bool) -> None:
     """Fail before any work if the pack cannot be written, or would replace a file unasked."""
-    if target.is_dir():
-        raise IsADirectoryError(f"{target}: is a folder")
     if target.exists() and not overwrite:
         raise FileExistsError(
             f"{target}: already exists (use --overwrite, or overwrite=True, to replace it)"
@@ -273,12 +306,18 @@ def _default_workers() -> int:
 
 
 # NOTE [ Atomic packing ]
-# The writer writes a hidden temporary file beside the target, `.NAME.partial-PID`, in the same
-# folder so that the final `os.replace` is an atomic rename within one file system. The rename
-# happens only after the writer's close() succeeded and the file is synced; close() writes the
-# metadata last, so a temporary file left by a killed run never opens as a complete pack. On
-# any exception, KeyboardInterrupt included, the writer is aborted and the temporary file is
-# removed; an existing target is untouched until the rename.
+# The writer writes a hidden temporary file beside the target, `.NAME.partial-PID@HOST`, in the
+# same folder so that the final `os.replace` is an atomic rename within one file system. The
+# rename happens only after the writer's close() succeeded and the file is synced; close()
+# writes the metadata last, so a temporary file left by a killed run never opens as a complete
+# pack. On any exception, KeyboardInterrupt and SIGTERM (via the CLI) included, the writer is
+# aborted and the temporary file is removed; an existing target is untouched until the rename.
+# Only SIGKILL (or a power cut) leaves a partial file: each run first removes the partial files
+# for its DST whose packer process is dead: written on this host (the name says which; a
+# folder may be shared between hosts, whose pids mean nothing here) by a pid that no longer
+# runs, or is a zombie. A live pid keeps its file, even if the pid was reused by another
+# program: never remove what a running packer writes. Files named without a host (older
+# versions) count as this host's.
 
 
 def pack(
@@ -345,7 +384,7 @@ def pack(
     if workers is not None and workers < 0:
         raise ValueError(f"workers must be >= 0, got {workers}")
     target = Path(os.path.expanduser(os.fspath(path)))
-    format = format or format_from_suffix(target)
+    format = _target_format(target, format, source)
     _check_target(target, overwrite)
     options = Options(store, quality, max_side, short_side)
     if isinstance(source, (str, os.PathLike)):
@@ -368,9 +407,8 @@ def pack(
         "short_side": short_side,
         "quality": quality if store == "jpeg" else None,
     }
-    temp = target.with_name(f".{target.name}.partial-{os.getpid()}")
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(temp)  # left by a killed run of a process that had our pid
+    removed_partials = remove_stale_partials(target)
+    temp = partial_path(target)
     writer = None
     try:
         writer = open_writer(temp, format, store=store, classes=job.classes, info=info)
@@ -385,6 +423,7 @@ def pack(
         writer.info["skipped"] = len(skipped)
         writer.close()
         _sync(temp)
+        raise_if_signalled()  # see NOTE [ Signals while packing ]
         os.replace(temp, target)
     except BaseException:
         if writer is not None:
@@ -395,7 +434,9 @@ def pack(
         raise
     _sync(target.parent)
     size, seconds = target.stat().st_size, time.perf_counter() - started
-    return PackSummary(target, format, store, writer.count, job.classes, skipped, size, seconds)
+    return PackSummary(
+        target, format, store, writer.count, job.classes, skipped, size, seconds, removed_partials
+    )
 
 
 def _write_all(
@@ -411,6 +452,7 @@ def _write_all(
         else:
             skipped.append((name(index), result.reason))
         bar.update()
+        raise_if_signalled()  # see NOTE [ Signals while packing ]
     return skipped
 
 

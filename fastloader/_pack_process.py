@@ -1,0 +1,189 @@
+"""The packer's processes and partial files: workers that die with the packer, a fork that does
+not copy the parent's heap, and the removal of partial files left by killed runs.
+
+The pool initializer runs in the worker processes; everything else in the main process
+(NOTE [ Packer processes ] below; NOTE [ Atomic packing ] in pack.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from fastloader._pack_worker import Encoded, start_worker
+
+# NOTE [ Signals while packing ]
+# A scheduler's time limit (or `kill`) sends SIGTERM; the CLI handles it like Ctrl-C: within
+# `signals_as_interrupts()`, SIGTERM raises Terminated (a KeyboardInterrupt) and SIGINT raises
+# KeyboardInterrupt, so pack() cleans up (NOTE [ Atomic packing ]). But an exception raised
+# by a signal handler is lost when it lands where Python ignores exceptions: in an at-fork hook
+# (seen: logging's, while the pool forks its workers), a __del__, a weakref callback. So the
+# handler also records the signal, and pack() calls `raise_if_signalled()` after each record
+# and before the final rename: a lost exception is raised again at the next record. During the
+# clean-up a second SIGTERM is ignored (the clean-up is short) and a second Ctrl-C interrupts
+# it as usual; SIGKILL still ends it all.
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived (a scheduler's time limit, ``kill``): handled like Ctrl-C."""
+
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_received: int | None = None  # the signal that arrived within signals_as_interrupts()
+
+
+def raise_if_signalled() -> None:
+    """Raise again what SIGTERM or SIGINT raised in ``signals_as_interrupts()``, if it came."""
+    if _received == signal.SIGTERM:
+        raise Terminated
+    if _received == signal.SIGINT:
+        raise KeyboardInterrupt
+
+
+def _handler(signum: int, frame: Any) -> None:
+    global _received
+    _received = signum
+    if signum == signal.SIGTERM:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    raise KeyboardInterrupt
+
+
+@contextmanager
+def signals_as_interrupts() -> Iterator[None]:
+    """Within the block SIGTERM raises :class:`Terminated` and SIGINT KeyboardInterrupt, both
+    also recorded for :func:`raise_if_signalled` (see NOTE [ Signals while packing ]).
+
+    Does nothing outside the main thread (Python delivers signals there only) or on Windows.
+    """
+    global _received
+    if sys.platform == "win32" or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _received = None
+    previous = {number: signal.signal(number, _handler) for number in _SIGNALS}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        _received = None
+
+
+# NOTE [ Forking the packer's workers ]
+# Forked workers share the parent's memory until they write to it, and the garbage collector
+# writes to every object it visits. With torch imported that is millions of objects: the first
+# collection in each worker copied their pages, which took 0.5-1 s of a 16-image pack on the
+# shared 2-core box (benchmarks/cli_startup.py). So the parent freezes its heap (gc.freeze():
+# the collector skips those objects, in the workers too) while the first submit forks the
+# workers, and unfreezes it once they exist. (Python's gc docs recommend this for fork.)
+
+
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+# NOTE [ Packer processes ]
+# The packer must never leave a process or a file behind, however it ends:
+# * Ctrl-C (SIGINT to the whole process group) and SIGTERM (a scheduler's time limit, `kill`;
+#   the CLI turns it into an exception like Ctrl-C): pool workers ignore both, the main process
+#   handles them once: it cancels what is queued, lets the running chunks finish (a few
+#   images), removes the partial file and exits (130 / 143).
+# * SIGKILL of the main process (the OOM killer, a scheduler's last resort): nothing runs in
+#   it, so each worker asks the kernel to SIGKILL it when its parent dies (Linux
+#   PR_SET_PDEATHSIG, set in the pool initializer, then a getppid() check for a parent that
+#   died before that); elsewhere a watchdog thread in each worker polls getppid(). The partial
+#   file stays; the next run for the same DST removes it (see NOTE [ Atomic packing ]).
+# The death signal follows the *thread* that started the worker: ProcessPoolExecutor starts
+# its workers from the thread that submits (here the main thread), on Python 3.10-3.13.
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def start_pool_worker(encoder: Callable[[Any], Encoded], parent: int) -> None:
+    """Pool initializer: die with the parent, leave SIGTERM to it, then set up the encoder."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if not _die_with_parent_linux():
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if os.getppid() != parent:  # the parent died before we asked to die with it
+        os._exit(1)
+    start_worker(encoder)
+
+
+def _die_with_parent_linux() -> bool:
+    """Ask Linux to SIGKILL this process when its parent dies; False where that is not there."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent: int, interval: float = 0.5) -> None:
+    while os.getppid() == parent:
+        time.sleep(interval)
+    os._exit(1)
+
+
+_PARTIAL = re.compile(r"\.partial-(?P<pid>\d+)(?:@(?P<host>.+))?$")
+
+
+def partial_path(target: Path) -> Path:
+    return target.with_name(f".{target.name}.partial-{os.getpid()}@{socket.gethostname()}")
+
+
+def remove_stale_partials(target: Path) -> list[tuple[Path, int]]:
+    """Remove the partial files of ``target`` left by dead packer processes of this host."""
+    prefix, host, removed = f".{target.name}", socket.gethostname(), []
+    try:
+        names = os.listdir(target.parent)
+    except OSError:
+        return removed
+    for name in names:
+        match = _PARTIAL.fullmatch(name[len(prefix) :]) if name.startswith(prefix) else None
+        if match is None or match["host"] not in (None, host):
+            continue
+        pid = int(match["pid"])
+        if pid != os.getpid() and _process_runs(pid):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(target.parent / name)
+            if pid != os.getpid():  # our own pid: a run before a reboot; nothing to report
+                removed.append((target.parent / name, pid))
+    return removed
+
+
+def _process_runs(pid: int) -> bool:
+    """Whether ``pid`` is a running process (a zombie has stopped running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):  # no /proc (not Linux), or the process just ended
+        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
