@@ -1,6 +1,7 @@
 """fastloader: a drop-in, faster torch DataLoader with packed LMDB/HDF5 datasets."""
 
 from fastloader.device import DevicePrefetcher, move_to_device, pin, resolve_device
+from fastloader.folder import ImageFolder
 from fastloader.formats import HDF5Dataset, LMDBDataset, PackError, open_pack, read_metadata
 from fastloader.loader import DataLoader
 from fastloader.pack import PackSummary, pack
@@ -12,6 +13,7 @@ __all__ = [
     "DevicePrefetcher",
     "EpochStats",
     "HDF5Dataset",
+    "ImageFolder",
     "LMDBDataset",
     "LoaderStats",
     "Normalize",
