@@ -38,12 +38,14 @@ from __future__ import annotations
 
 import io
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from PIL import Image
+from torch.utils.data import get_worker_info
 
 from fastloader.transforms import (
     CenterCrop,
@@ -280,6 +282,7 @@ def _apply_geometry(
         return _pillow_geometry(image, geometry, scale_x, scale_y).reshape(
             geometry.out_height, geometry.out_width, channels
         )
+    _one_thread_in_workers()
     # Round the box to whole pixels of the scaled image (at most half a pixel off).
     x0 = min(max(round(geometry.left * scale_x), 0), pixels.shape[1] - 1)
     y0 = min(max(round(geometry.top * scale_y), 0), pixels.shape[0] - 1)
@@ -296,6 +299,23 @@ def _apply_geometry(
     if geometry.flip:
         out = cv2.flip(out, 1)
     return out.reshape(geometry.out_height, geometry.out_width, pixels.shape[2])
+
+
+_threads_set_in: int | None = None
+
+
+def _one_thread_in_workers() -> None:
+    """In a DataLoader worker, run OpenCV on one thread, as torch runs itself there.
+
+    Workers are already one per core: OpenCV's own thread pool would only contend with them.
+    The main process (``num_workers=0``) keeps the user's OpenCV setting.
+    """
+    global _threads_set_in
+    pid = os.getpid()
+    if _threads_set_in != pid:
+        _threads_set_in = pid
+        if get_worker_info() is not None:
+            cv2.setNumThreads(1)
 
 
 def _pillow_geometry(
