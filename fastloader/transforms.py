@@ -21,6 +21,7 @@ runs on the prefetcher's side stream.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -436,10 +437,10 @@ def draw_crop_box(
     generator (the same calls in the same order as torchvision), then a central crop.
     """
     area = height * width
-    log_ratio = torch.log(torch.tensor(ratio))
+    log_low, log_high = _log_bounds(tuple(ratio))
     for _ in range(10):
         target_area = area * torch.empty(1).uniform_(scale[0], scale[1]).item()
-        aspect_ratio = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1])).item()
+        aspect_ratio = torch.exp(torch.empty(1).uniform_(log_low, log_high)).item()
         crop_w = int(round(math.sqrt(target_area * aspect_ratio)))
         crop_h = int(round(math.sqrt(target_area / aspect_ratio)))
         if 0 < crop_w <= width and 0 < crop_h <= height:
@@ -454,6 +455,13 @@ def draw_crop_box(
     else:
         crop_w, crop_h = width, height
     return (height - crop_h) // 2, (width - crop_w) // 2, crop_h, crop_w
+
+
+@functools.lru_cache(maxsize=16)
+def _log_bounds(ratio: tuple[float, float]) -> tuple[float, float]:
+    # torchvision's torch.log(torch.tensor(ratio)) (float32), once per ratio rather than per draw
+    low, high = torch.log(torch.tensor(ratio)).tolist()
+    return low, high
 
 
 class RandomHorizontalFlip:
