@@ -239,3 +239,13 @@ def test_truncated_jpegs_are_refused_not_filled_in():
         torch.manual_seed(seed)
         with pytest.raises(OSError, match="plain decoder"):
             decoding.fuse(TRAIN).apply_encoded(cut, decode_plain, "pil")
+
+
+def test_region_decoder_refuses_files_without_an_end_marker():
+    if decoding.BACKEND != "simplejpeg" or decoding._region_decoder() is None:
+        pytest.skip("nvImageCodec (the optional region decoder) is not installed")
+    whole = jpeg(photo(0))
+    top_left = decoding.Geometry(0, 0, 40, 30, 64, 64, False)  # rows present in both files
+    assert decoding._decode_region(whole, top_left, 150, 200) is not None
+    # nvImageCodec would decode these rows of a truncated file; the plain path must say why.
+    assert decoding._decode_region(whole[: len(whole) * 3 // 4], top_left, 150, 200) is None
