@@ -13,12 +13,14 @@ PILToTensor()])`` throws most decoded pixels away: it keeps one box of the image
    the result is one box in source pixels, an output size and a flip;
 3. decode at the smallest JPEG DCT scale (1/2, 1/4, 1/8) at which the box still has at least
    the output's pixels (``simplejpeg.decode_jpeg(min_height=, min_width=, min_factor=2)``:
-   libjpeg-turbo, bundled in the wheel, releasing the GIL);
+   libjpeg-turbo, bundled in the wheel, releasing the GIL); when no scale helps, decode only
+   the box's region if nvImageCodec is installed (NOTE [ Region decoding ]);
 4. crop the box out of the decoded pixels (a NumPy view) and resize it once, with OpenCV's
    ``INTER_LINEAR`` (``INTER_AREA`` when it still shrinks more than 2x, as linear does not
    antialias past 2x; the DCT scale has done the big shrink), then flip;
-5. hand the HWC uint8 result on as the unfused steps would have: a PIL image, or the CHW view
-   ``PILToTensor`` gives, then apply the remaining transforms.
+5. hand the HWC uint8 result on as the unfused steps would have: a PIL image, or, where
+   ``PILToTensor`` follows, a uint8 CHW tensor (contiguous: NOTE [ Channels-first once ]),
+   then apply the remaining transforms.
 
 Raw (pixel) records skip steps 1 and 3: the box is cropped from a view of the stored pixels,
 so nothing is copied before the resize. Files that are not JPEGs (or CMYK JPEGs, which
