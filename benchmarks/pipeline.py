@@ -39,7 +39,7 @@ SIZES = {
     #        photos, batch, rounds
     "tiny": (96, 16, 1),
     "quick": (640, 64, 2),
-    "full": (2000, 64, 3),
+    "full": (2000, 64, 5),
 }
 WORKERS = 2
 SKIP_BATCHES = 5  # 2 workers x prefetch 2, + 1
