@@ -38,7 +38,7 @@ from fastloader import transforms as T
 SIZES = {
     #        photos, batch, rounds
     "tiny": (96, 16, 1),
-    "quick": (640, 64, 2),
+    "quick": (512, 32, 2),
     "full": (2000, 64, 5),
 }
 WORKERS = 2
