@@ -4,6 +4,8 @@ Each comparison is a module with ``run(size, workdir) -> dict`` that measures, i
 same data, fastloader against torch's DataLoader (or the image folder, or litdata) and returns
 rows, ratios and notes (see ``report.py`` for the shape):
 
+- ``pipeline``: the training pipeline (random-resized crop + flip) through every loader and
+  pack, plain and fused, against torch, DALI on CPU and SPDL (the headline);
 - ``loader``: epoch-start stall, steady throughput, start-up-cost dataset, seeding overhead;
 - ``formats``: read throughput of LMDB/HDF5 packs in each store mode vs the image folder;
 - ``packing``: ``fastloader.pack`` throughput vs litdata's ``optimize``, and reading back;
@@ -16,5 +18,14 @@ rows, ratios and notes (see ``report.py`` for the shape):
 The data is made at run time from the photos scikit-image ships (``_photos.py``).
 """
 
-COMPARISONS = ("loader", "formats", "packing", "memory", "gpu_step", "distributed", "cli_startup")
+COMPARISONS = (
+    "pipeline",
+    "loader",
+    "formats",
+    "packing",
+    "memory",
+    "gpu_step",
+    "distributed",
+    "cli_startup",
+)
 SIZES = ("tiny", "quick", "full")

@@ -20,6 +20,7 @@ _EXPORTS = {
     "DevicePrefetcher": "fastloader.device",
     "EpochStats": "fastloader.stats",
     "HDF5Dataset": "fastloader.formats",
+    "ImageFolder": "fastloader.folder",
     "LMDBDataset": "fastloader.formats",
     "LoaderStats": "fastloader.stats",
     "Normalize": "fastloader.transforms",
@@ -38,6 +39,7 @@ __all__ = [
     "DevicePrefetcher",
     "EpochStats",
     "HDF5Dataset",
+    "ImageFolder",
     "LMDBDataset",
     "LoaderStats",
     "Normalize",
@@ -55,6 +57,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from fastloader.device import DevicePrefetcher, move_to_device, pin, resolve_device
+    from fastloader.folder import ImageFolder
     from fastloader.formats import HDF5Dataset, LMDBDataset, PackError, open_pack, read_metadata
     from fastloader.loader import DataLoader
     from fastloader.pack import PackSummary, pack

@@ -1,12 +1,17 @@
-"""fastloader.transforms.Normalize: values, the batch-structure rule, errors."""
+"""fastloader.transforms: torchvision's image transforms (boxes, pixels, sizes); Normalize."""
 
 from __future__ import annotations
 
+import math
 from collections import namedtuple
 
+import numpy as np
 import pytest
 import torch
+from _images import smooth_rgb
+from PIL import Image
 
+from fastloader import transforms as T
 from fastloader.transforms import Normalize
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -146,3 +151,165 @@ def test_normalize_on_cuda_matches_cpu():
     out = normalize(images.cuda())
     assert out.is_cuda and out.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(out.cpu(), normalize(images))
+
+
+# --- torchvision-named image transforms -----------------------------------------------------
+
+
+def _torchvision_get_params(height, width, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
+    """torchvision's RandomResizedCrop.get_params, written out: the draws we must repeat."""
+    area = height * width
+    log_ratio = torch.log(torch.tensor(ratio))
+    for _ in range(10):
+        target_area = area * torch.empty(1).uniform_(scale[0], scale[1]).item()
+        aspect_ratio = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1])).item()
+        w = int(round(math.sqrt(target_area * aspect_ratio)))
+        h = int(round(math.sqrt(target_area / aspect_ratio)))
+        if 0 < w <= width and 0 < h <= height:
+            i = torch.randint(0, height - h + 1, size=(1,)).item()
+            j = torch.randint(0, width - w + 1, size=(1,)).item()
+            return i, j, h, w
+    in_ratio = float(width) / float(height)
+    if in_ratio < min(ratio):
+        w, h = width, int(round(width / min(ratio)))
+    elif in_ratio > max(ratio):
+        h, w = height, int(round(height * max(ratio)))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def _photo(width=120, height=90, seed=0):
+    return Image.fromarray(smooth_rgb(seed, width, height))
+
+
+@pytest.mark.parametrize("size", [(90, 120), (500, 375), (3, 400), (400, 3)])
+def test_random_resized_crop_draws_torchvisions_boxes(size):
+    image = Image.new("RGB", (size[1], size[0]))
+    for seed in range(50):
+        torch.manual_seed(seed)
+        ours = T.RandomResizedCrop.get_params(image, (0.08, 1.0), (3 / 4, 4 / 3))
+        after_ours = torch.rand(1)
+        torch.manual_seed(seed)
+        assert ours == _torchvision_get_params(*size)
+        assert torch.equal(after_ours, torch.rand(1)), "the same number of draws"
+
+
+def test_random_resized_crop_boxes_respect_scale_and_ratio():
+    torch.manual_seed(0)
+    for _ in range(200):
+        top, left, h, w = T.RandomResizedCrop.get_params(_photo(400, 300), (0.2, 0.5), (0.5, 2))
+        assert 0 <= top <= 300 - h and 0 <= left <= 400 - w
+        assert 0.2 * 0.9 <= h * w / (400 * 300) <= 0.5 * 1.1
+        assert 0.5 * 0.9 <= w / h <= 2 * 1.1
+
+
+def test_random_resized_crop_on_pil_is_pil_crop_then_bilinear_resize():
+    image = _photo()
+    torch.manual_seed(3)
+    out = T.RandomResizedCrop((40, 50))(image)
+    torch.manual_seed(3)
+    top, left, h, w = _torchvision_get_params(90, 120)
+    expected = image.crop((left, top, left + w, top + h)).resize((50, 40), Image.BILINEAR)
+    assert out.size == (50, 40) and np.array_equal(np.asarray(out), np.asarray(expected))
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        T.Resize(50),
+        T.Resize((30, 70)),
+        T.CenterCrop(40),
+        T.CenterCrop((80, 130)),  # larger than the image: zero-padded
+        T.RandomResizedCrop(48),
+        T.RandomHorizontalFlip(1.0),
+    ],
+    ids=repr,
+)
+def test_tensors_and_arrays_match_pil_within_rounding(transform):
+    image = _photo()
+    torch.manual_seed(0)
+    from_pil = np.asarray(transform(image)).astype(int)
+    torch.manual_seed(0)
+    from_array = transform(np.asarray(image))
+    torch.manual_seed(0)
+    from_tensor = transform(torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1))
+    assert isinstance(from_array, np.ndarray) and from_array.dtype == np.uint8
+    assert np.array_equal(from_array, from_pil)
+    assert from_tensor.dtype == torch.uint8
+    assert np.abs(from_tensor.permute(1, 2, 0).numpy().astype(int) - from_pil).max() <= 1
+
+
+def test_resize_follows_torchvisions_size_rules():
+    assert T.Resize(256).output_size(375, 500) == (256, 341)  # the longer side truncated
+    assert T.Resize(256).output_size(500, 375) == (341, 256)
+    assert T.Resize([256]).output_size(375, 500) == (256, 341)
+    assert T.Resize((100, 200)).output_size(375, 500) == (100, 200)
+    assert T.Resize(100, max_size=120).output_size(100, 300) == (40, 120)
+    assert T.Resize(64)(_photo()).size == (85, 64)
+    with pytest.raises(ValueError, match="max_size"):
+        T.Resize((10, 20), max_size=30)
+    with pytest.raises(ValueError, match="interpolation"):
+        T.Resize(10, interpolation="lanczos-ish")
+    with pytest.raises(ValueError, match="positive"):
+        T.Resize(0)
+
+
+def test_center_crop_rounds_as_torchvision_and_pads_with_zeros():
+    assert T.CenterCrop(224).box(256, 341) == (16, 58, 224, 224)  # round(58.5) == 58
+    assert T.CenterCrop(224).box(256, 343) == (16, 60, 224, 224)  # round(59.5) == 60
+    padded = np.asarray(T.CenterCrop((94, 120))(_photo()))
+    assert padded.shape == (94, 120, 3)
+    assert not padded[:2].any() and not padded[-2:].any()
+    assert np.array_equal(padded[2:-2], np.asarray(_photo()))
+
+
+def test_flip_draws_one_number_and_flips_with_probability_p():
+    image = np.asarray(_photo())
+    assert np.array_equal(T.RandomHorizontalFlip(1.0)(image), image[:, ::-1])
+    assert T.RandomHorizontalFlip(0.0)(image) is image
+    flips = 0
+    torch.manual_seed(0)
+    for _ in range(400):
+        flips += not np.array_equal(T.RandomHorizontalFlip()(image), image)
+    assert 150 < flips < 250
+    torch.manual_seed(1)
+    T.RandomHorizontalFlip()(image)
+    after = torch.rand(1)
+    torch.manual_seed(1)
+    torch.rand(1)
+    assert torch.equal(after, torch.rand(1))
+
+
+def test_pil_to_tensor_gives_uint8_chw_like_torchvision():
+    image = _photo()
+    tensor = T.PILToTensor()(image)
+    assert tensor.dtype == torch.uint8 and tensor.shape == (3, 90, 120)
+    assert np.array_equal(tensor.permute(1, 2, 0).numpy(), np.asarray(image))
+    gray = T.PILToTensor()(image.convert("L"))
+    assert gray.shape == (1, 90, 120)
+    assert T.PILToTensor()(tensor) is tensor
+    readonly = np.asarray(image)
+    assert np.array_equal(T.PILToTensor()(readonly).permute(1, 2, 0).numpy(), readonly)
+    with pytest.raises(TypeError, match="PILToTensor"):
+        T.PILToTensor()("not an image")
+
+
+def test_compose_mixes_user_callables_and_repeats_with_the_seed():
+    seen = []
+    pipeline = T.Compose(
+        [
+            T.RandomResizedCrop(32),
+            lambda im: seen.append(im.size) or im,
+            T.RandomHorizontalFlip(),
+            T.PILToTensor(),
+            lambda t: t.float() / 255,
+        ]
+    )
+    torch.manual_seed(7)
+    first = pipeline(_photo())
+    torch.manual_seed(7)
+    second = pipeline(_photo())
+    assert torch.equal(first, second) and first.dtype == torch.float32
+    assert seen == [(32, 32), (32, 32)]
+    assert "RandomResizedCrop" in repr(pipeline)

@@ -1,0 +1,233 @@
+"""The training pipeline: random-resized crop 224 + flip to uint8 CHW batches, every loader.
+
+The headline comparison. On the same photos (~500x375 JPEGs, ``_photos.py``), batches of 64,
+two workers (or threads) each, interleaved rounds, medians:
+
+- torch's DataLoader over the image folder (persistent workers), the PIL transform;
+- fastloader.DataLoader over the same folder dataset, the same PIL transform;
+- fastloader.ImageFolder with the fused transform (NOTE [ Fused decoding ]);
+- fastloader over LMDB packs (``encoded``, ``jpeg`` short side 256, ``raw`` short side 256),
+  each with the plain PIL transform and with the fused one;
+- NVIDIA DALI on the CPU (``fn.decoders.image_random_crop`` + ``fn.resize`` +
+  ``fn.crop_mirror_normalize``) and SPDL (a thread pipeline with the same PIL transform),
+  skipped with a reason when not installed (``pip install nvidia-dali-cuda120 spdl``).
+
+The rate is steady samples/s: from the end of each epoch's first ``SKIP_BATCHES`` batches (what a
+loader may have prefetched while another loader was being timed) to its last batch.
+
+Run alone: ``python -m benchmarks --only pipeline [--size full]``.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader as TorchDataLoader
+
+from benchmarks._photos import ImageFolderDataset, image_folder, packed
+from fastloader import DataLoader, ImageFolder, LMDBDataset
+from fastloader import transforms as T
+
+SIZES = {
+    #        photos, batch, rounds
+    "tiny": (96, 16, 1),
+    "quick": (512, 32, 2),
+    "full": (2000, 64, 5),
+}
+WORKERS = 2
+SKIP_BATCHES = 5  # 2 workers x prefetch 2, + 1
+CROP = 224
+
+
+def train_transform() -> T.Compose:
+    """The ImageNet training transform: random-resized crop, flip, uint8 CHW."""
+    return T.Compose([T.RandomResizedCrop(CROP), T.RandomHorizontalFlip(), T.PILToTensor()])
+
+
+class Unfused:
+    """Wraps a transform so no dataset fuses it: the plain PIL path (picklable)."""
+
+    def __init__(self, transform: Callable) -> None:
+        self.transform = transform
+
+    def __call__(self, image: Any) -> Any:
+        return self.transform(image)
+
+
+def _torch_loader(dataset: Any, batch: int) -> TorchDataLoader:
+    return TorchDataLoader(
+        dataset, batch_size=batch, shuffle=True, num_workers=WORKERS, persistent_workers=True
+    )
+
+
+def _fast_loader(dataset: Any, batch: int) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=WORKERS, seed=0)
+
+
+def _loaders(root: Path, workdir: Path, batch: int) -> tuple[dict[str, Any], dict[str, str]]:
+    """Name -> factory of an iterable of ``(images, labels)`` batches; and skipped peers."""
+    plain, fused = Unfused(train_transform()), train_transform()
+    loaders: dict[str, Any] = {
+        "torch_folder": lambda: _torch_loader(ImageFolderDataset(root, plain), batch),
+        "fastloader_folder": lambda: _fast_loader(ImageFolderDataset(root, plain), batch),
+        "fastloader_imagefolder_fused": lambda: _fast_loader(ImageFolder(root, fused), batch),
+    }
+    for store, side in (("encoded", None), ("jpeg", 256), ("raw", 256)):
+        path = packed(root, workdir, "lmdb", store, side)
+        for kind, transform in (("plain", plain), ("fused", fused)):
+            loaders[f"lmdb_{store}_{kind}"] = lambda path=path, transform=transform: _fast_loader(
+                LMDBDataset(path, transform=transform), batch
+            )
+    skipped = {}
+    for name, factory in (("dali_cpu", _dali), ("spdl", _spdl)):
+        try:
+            loaders[name] = factory(root, batch, plain)
+        except ImportError as error:
+            skipped[name] = f"not installed ({error.name or error})"
+    return loaders, skipped
+
+
+def _dali(root: Path, batch: int, transform: Callable) -> Callable[[], Any]:
+    from nvidia.dali import fn, pipeline_def, types
+
+    count = len(ImageFolderDataset(root).samples)
+
+    @pipeline_def(batch_size=batch, num_threads=WORKERS, device_id=None, seed=0)
+    def training_pipeline():
+        jpegs, labels = fn.readers.file(file_root=str(root), random_shuffle=True, name="files")
+        images = fn.decoders.image_random_crop(
+            jpegs,
+            device="cpu",
+            output_type=types.RGB,
+            random_area=[0.08, 1.0],
+            random_aspect_ratio=[3 / 4, 4 / 3],
+        )
+        images = fn.resize(images, resize_x=CROP, resize_y=CROP)
+        images = fn.crop_mirror_normalize(
+            images, dtype=types.UINT8, output_layout="CHW", mirror=fn.random.coin_flip()
+        )
+        return images, labels
+
+    class DaliEpochs:
+        def __init__(self) -> None:
+            self.pipe = training_pipeline()
+            self.pipe.build()
+
+        def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            for _ in range(-(-count // batch)):
+                images, labels = self.pipe.run()
+                yield (
+                    torch.from_numpy(np.array(images.as_tensor())),
+                    torch.from_numpy(np.array(labels.as_tensor())).flatten(),
+                )
+
+    return DaliEpochs
+
+
+def _spdl(root: Path, batch: int, transform: Callable) -> Callable[[], Any]:
+    from spdl.pipeline import PipelineBuilder
+
+    dataset = ImageFolderDataset(root, transform)
+
+    def collate(samples: list) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.stack([image for image, _ in samples]), torch.tensor([y for _, y in samples])
+
+    class SpdlEpochs:
+        def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            order = torch.randperm(len(dataset)).tolist()
+            pipeline = (
+                PipelineBuilder()
+                .add_source(order)
+                .pipe(dataset.__getitem__, concurrency=WORKERS)
+                .aggregate(batch)
+                .pipe(collate)
+                .add_sink(3)
+                .build(num_threads=WORKERS)
+            )
+            with pipeline.auto_stop():
+                yield from pipeline.get_iterator(timeout=120)
+
+    return SpdlEpochs
+
+
+def _steady_rate(loader: Any, skip: int) -> float:
+    """One epoch; samples/s after its first ``skip`` batches."""
+    samples, started = 0, None
+    for index, (images, _) in enumerate(loader):
+        if images.dtype != torch.uint8 or tuple(images.shape[1:]) != (3, CROP, CROP):
+            raise AssertionError(f"unexpected batch {images.dtype} {tuple(images.shape)}")
+        if index == skip - 1:
+            started = time.perf_counter()
+        elif started is not None:
+            samples += len(images)
+    if started is None or samples == 0:
+        raise ValueError(f"an epoch needs more than {skip} batches")
+    return samples / (time.perf_counter() - started)
+
+
+def run(size: str, workdir: Path) -> dict:
+    """Run the pipeline comparison at ``size`` ("tiny", "quick", "full")."""
+    photos, batch, rounds = SIZES[size]
+    skip = 2 if size == "tiny" else SKIP_BATCHES
+    root = image_folder(workdir, photos)
+    factories, skipped = _loaders(root, Path(workdir), batch)
+    loaders = {name: factory() for name, factory in factories.items()}
+    for loader in loaders.values():  # warm-up: start workers, open files, build pipelines
+        _steady_rate(loader, skip)
+    names = list(loaders)
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(rounds):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            rates[name].append(_steady_rate(loaders[name], skip))
+    for loader in loaders.values():
+        if hasattr(loader, "close"):
+            loader.close()
+    del loaders
+    median = {name: statistics.median(values) for name, values in rates.items()}
+    base = median["torch_folder"]
+    rows = [
+        {
+            "loader": name,
+            "samples_per_s": round(rate, 1),
+            "vs_torch": round(rate / base, 3),
+            "vs_dali": round(rate / median["dali_cpu"], 3) if "dali_cpu" in median else None,
+        }
+        for name, rate in median.items()
+    ]
+    for row in rows:
+        if row["vs_dali"] is None:
+            del row["vs_dali"]
+    ratios = {f"{name}_vs_torch": rate / base for name, rate in median.items() if rate != base}
+    if "dali_cpu" in median:
+        for name in ("fastloader_imagefolder_fused", "lmdb_encoded_fused"):
+            ratios[f"{name}_vs_dali"] = median[name] / median["dali_cpu"]
+    return {
+        "comparison": "pipeline",
+        "config": {
+            "photos": photos,
+            "batch_size": batch,
+            "workers_or_threads": WORKERS,
+            "rounds": rounds,
+            "transform": repr(train_transform()).replace("\n", ""),
+            "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        },
+        "rows": rows,
+        "samples_per_s": rates,
+        "ratios": ratios,
+        "peers_skipped": skipped or None,
+        "notes": [
+            f"steady samples/s per epoch after its first {skip} batches; median of "
+            f"{rounds} interleaved rounds after a warm-up epoch",
+            "plain = the PIL transform (as torchvision's); fused = the same transform planned "
+            "from the JPEG header (DCT-scaled decode, one resize)",
+        ]
+        + [f"{name} skipped: {why}" for name, why in skipped.items()],
+    }

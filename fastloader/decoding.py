@@ -1,0 +1,429 @@
+"""From a crop plan to pixels: decode only what the first crops/resizes of a transform keep.
+
+NOTE [ Fused decoding ]
+A training transform such as ``Compose([RandomResizedCrop(224), RandomHorizontalFlip(),
+PILToTensor()])`` throws most decoded pixels away: it keeps one box of the image and shrinks it.
+``fuse(transform)`` splits off the leading ``Resize`` / ``CenterCrop`` / ``RandomResizedCrop`` /
+``RandomHorizontalFlip`` steps (and a ``PILToTensor`` right after them); for each sample:
+
+1. read the JPEG header for the image's (height, width), without decoding;
+2. walk the steps on that size, drawing their random parameters with the same calls, in the
+   same order, as the unfused transforms (torch's default generator, seeded per sample by
+   fastloader.DataLoader): the same seed gives the same box and flip as the plain transform;
+   the result is one box in source pixels, an output size and a flip;
+3. decode at the smallest JPEG DCT scale (1/2, 1/4, 1/8) at which the box still has at least
+   the output's pixels (``simplejpeg.decode_jpeg(min_height=, min_width=, min_factor=2)``:
+   libjpeg-turbo, bundled in the wheel, releasing the GIL); when no scale helps, decode only
+   the box's region if nvImageCodec is installed (NOTE [ Region decoding ]);
+4. crop the box out of the decoded pixels (a NumPy view) and resize it once, with OpenCV's
+   ``INTER_LINEAR`` (``INTER_AREA`` when it still shrinks more than 2x, as linear does not
+   antialias past 2x; the DCT scale has done the big shrink), then flip;
+5. hand the HWC uint8 result on as the unfused steps would have: a PIL image, or, where
+   ``PILToTensor`` follows, a uint8 CHW tensor (contiguous: NOTE [ Channels-first once ]),
+   then apply the remaining transforms.
+
+Raw (pixel) records skip steps 1 and 3: the box is cropped from a view of the stored pixels,
+so nothing is copied before the resize. Files that are not JPEGs (or CMYK JPEGs, which
+libjpeg-turbo cannot turn into RGB) take the plain path: decode, then the whole transform. A
+JPEG whose header reads but whose data simplejpeg rejects is decoded by Pillow instead and
+given the geometry already drawn, so the random draws happen once either way.
+
+Why these libraries (timed on the benchmark photos, ~500x375, one core; see
+benchmarks/pipeline.py for the loader-level comparison): Pillow decode + crop + resize 1.15 ms;
+simplejpeg decode alone 0.54 ms; simplejpeg + cv2.resize 0.61 ms (49.7 dB PSNR vs Pillow);
++ Pillow's antialiased resize instead 1.10 ms; cv2.warpAffine (exact sub-pixel box) 0.71 ms;
+cv2 INTER_AREA 0.82 ms. Without simplejpeg or OpenCV the same plan runs on Pillow (``draft``
+for the DCT scale, ``resize(box=)``), same boxes, pixels within tolerance.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import get_worker_info
+
+from fastloader.transforms import (
+    CenterCrop,
+    Compose,
+    PILToTensor,
+    RandomHorizontalFlip,
+    RandomResizedCrop,
+    Resize,
+    draw_crop_box,
+)
+
+try:  # the fast backend: both or neither
+    import cv2
+    import simplejpeg
+except ImportError:  # pragma: no cover - exercised by forcing BACKEND in the tests
+    cv2 = simplejpeg = None
+
+__all__ = ["BACKEND", "FusedTransform", "Geometry", "fuse", "jpeg_size"]
+
+#: "simplejpeg" (simplejpeg + OpenCV) when both are installed, else "pillow".
+BACKEND = "simplejpeg" if simplejpeg is not None else "pillow"
+
+_JPEG_MAGIC = b"\xff\xd8\xff"
+_GEOMETRIC = (Resize, CenterCrop, RandomResizedCrop, RandomHorizontalFlip)
+
+
+class Geometry(NamedTuple):
+    """What the fused steps do to an image: a box in source pixels, resized, maybe flipped."""
+
+    left: float
+    top: float
+    width: float
+    height: float
+    out_height: int
+    out_width: int
+    flip: bool
+
+
+def jpeg_size(data: Any) -> tuple[int, int] | None:
+    """``(height, width)`` of a JPEG that can be decoded to RGB fused, else None."""
+    if bytes(data[:3]) != _JPEG_MAGIC:
+        return None
+    try:
+        if BACKEND == "simplejpeg":
+            height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+            return None if colorspace in ("CMYK", "YCCK") else (height, width)
+        with Image.open(io.BytesIO(data)) as image:
+            return (image.height, image.width) if image.mode in ("RGB", "L") else None
+    except (ValueError, OSError):
+        return None  # the plain path decodes it, and reports what is wrong
+
+
+class FusedTransform:
+    """A transform whose leading geometric steps are planned from the image size.
+
+    Made by ``fuse``; datasets call ``apply_encoded`` or ``apply_raw`` per sample. Calling it
+    on an image (``fused(image)``) is the original transform.
+    """
+
+    def __init__(self, transform: Callable, steps: Sequence, to_tensor: bool, rest: Sequence):
+        self.transform = transform
+        self.steps = tuple(steps)
+        self.to_tensor = to_tensor
+        self.rest = tuple(rest)
+
+    def __call__(self, image: Any) -> Any:
+        return self.transform(image)
+
+    def draw(self, height: int, width: int) -> Geometry | None:
+        """The geometry for an image of ``height`` x ``width``, drawing the steps' randomness.
+
+        None (before any draw) when a step would pad the image: the plain path does that.
+        """
+        if self._pads(height, width):
+            return None
+        view_h, view_w = height, width
+        left, top, box_w, box_h = 0.0, 0.0, float(width), float(height)
+        flip = False
+        for step in self.steps:
+            if isinstance(step, Resize):
+                view_h, view_w = step.output_size(view_h, view_w)
+                continue
+            if isinstance(step, RandomHorizontalFlip):
+                flip ^= step.draw()
+                continue
+            if isinstance(step, CenterCrop):
+                crop_top, crop_left, crop_h, crop_w = step.box(view_h, view_w)
+                size = (crop_h, crop_w)
+            else:
+                crop_top, crop_left, crop_h, crop_w = draw_crop_box(
+                    view_h, view_w, step.scale, step.ratio
+                )
+                size = step.size
+            if flip:  # the box was drawn on the mirrored view
+                crop_left = view_w - crop_left - crop_w
+            scale_x, scale_y = box_w / view_w, box_h / view_h
+            left += crop_left * scale_x
+            top += crop_top * scale_y
+            box_w, box_h = crop_w * scale_x, crop_h * scale_y
+            view_h, view_w = size
+        return Geometry(left, top, box_w, box_h, view_h, view_w, flip)
+
+    def _pads(self, height: int, width: int) -> bool:
+        for step in self.steps:
+            if isinstance(step, Resize):
+                height, width = step.output_size(height, width)
+            elif isinstance(step, CenterCrop):
+                if step.size[0] > height or step.size[1] > width:
+                    return True
+                height, width = step.size
+            elif isinstance(step, RandomResizedCrop):
+                height, width = step.size
+        return False
+
+    def apply_encoded(self, data: Any, decode_plain: Callable[[], Any], mode: str) -> Any:
+        """Transform the image file ``data``; ``decode_plain()`` decodes it the plain way.
+
+        Args:
+            data: the file's bytes (any buffer).
+            decode_plain: returns the decoded image as the dataset gives it to ``transform``
+                (raising the dataset's error for a bad file).
+            mode: what ``decode_plain`` returns: "pil", "tensor" (CHW) or "numpy" (HWC).
+        """
+        size = jpeg_size(data)
+        geometry = None if size is None else self.draw(*size)
+        if geometry is None:
+            return self.transform(decode_plain())
+        pixels = _decode_jpeg(data, geometry, *size)
+        if pixels is None:  # libjpeg-turbo refused it: Pillow decodes, same geometry
+            pixels = _apply_geometry(_as_hwc(decode_plain()), geometry)
+        return self._finish(pixels, mode)
+
+    def apply_raw(self, pixels: np.ndarray, mode: str) -> Any:
+        """Transform uint8 HWC ``pixels`` (maybe read-only: only a crop of them is read)."""
+        geometry = self.draw(pixels.shape[0], pixels.shape[1])
+        if geometry is None:
+            plain = {
+                "pil": lambda: Image.fromarray(pixels if pixels.shape[2] != 1 else pixels[..., 0]),
+                "numpy": lambda: pixels.copy(),
+                "tensor": lambda: torch.from_numpy(pixels.transpose(2, 0, 1).copy()),
+            }[mode]
+            return self.transform(plain())
+        return self._finish(_apply_geometry(pixels, geometry), mode)
+
+    def _finish(self, pixels: np.ndarray, mode: str) -> Any:
+        """Hand the HWC result on as the unfused steps would, then apply the rest."""
+        if self.to_tensor or mode == "tensor":
+            image: Any = torch.from_numpy(_channels_first(pixels))
+        elif mode == "pil":
+            image = Image.fromarray(pixels if pixels.shape[2] != 1 else pixels[..., 0])
+        else:
+            image = pixels
+        for transform in self.rest:
+            image = transform(image)
+        return image
+
+    def __repr__(self) -> str:
+        return f"FusedTransform({self.transform!r})"
+
+
+def fuse(transform: Callable | None) -> FusedTransform | None:
+    """Split ``transform`` for fused decoding, or None when it does not start with a crop/resize.
+
+    Fusable: a ``Compose`` (or a single transform) whose first steps are ``Resize``,
+    ``CenterCrop``, ``RandomResizedCrop`` (bilinear) or ``RandomHorizontalFlip``, at least one
+    of them a crop or resize.
+    """
+    if transform is None:
+        return None
+    cached = _CACHE.get(id(transform))
+    if cached is not None and cached[0] is transform:
+        return cached[1]
+    steps = list(transform.transforms) if type(transform) is Compose else [transform]
+    count = 0
+    while count < len(steps) and _fusable(steps[count]):
+        count += 1
+    fused = None
+    if any(not isinstance(step, RandomHorizontalFlip) for step in steps[:count]):
+        to_tensor = count < len(steps) and type(steps[count]) is PILToTensor
+        rest = steps[count + to_tensor :]
+        fused = FusedTransform(transform, steps[:count], to_tensor, rest)
+    if len(_CACHE) > 64:
+        _CACHE.clear()
+    _CACHE[id(transform)] = (transform, fused)
+    return fused
+
+
+_CACHE: dict[int, tuple[Any, FusedTransform | None]] = {}
+
+
+def _fusable(step: Any) -> bool:
+    return type(step) in _GEOMETRIC and getattr(step, "interpolation", "bilinear") == "bilinear"
+
+
+def _decode_jpeg(data: Any, geometry: Geometry, height: int, width: int) -> np.ndarray | None:
+    """The geometry applied to a JPEG decoded at the smallest DCT scale that suffices."""
+    min_height = math.ceil(geometry.out_height * height / geometry.height)
+    min_width = math.ceil(geometry.out_width * width / geometry.width)
+    if BACKEND == "pillow":
+        return _pillow_jpeg(data, geometry, height, width, min_height, min_width)
+    if (height + 1) // 2 < min_height or (width + 1) // 2 < min_width:  # no DCT scale helps
+        region = _decode_region(data, geometry, height, width)
+        if region is not None:
+            return region
+    try:
+        scaled = simplejpeg.decode_jpeg(
+            data, min_height=min_height, min_width=min_width, min_factor=2
+        )
+    except ValueError:
+        return None
+    return _apply_geometry(scaled, geometry, height, width)
+
+
+#: Decode only the crop's region with nvImageCodec's CPU decoder when it is installed (see NOTE
+#: [ Region decoding ]); tests switch it off to compare.
+REGION_DECODING = True
+_region_decoders: dict[int, Any] = {}  # per process; a forked child never touches its parent's
+
+# NOTE [ Region decoding ]
+# When no DCT scale can shrink the decode (a random crop of a ~500x375 photo is rarely twice the
+# output size), libjpeg-turbo can still skip what lies outside the box: whole rows below it, and
+# the inverse DCT and colour conversion of columns and rows outside it. No small wheel exposes
+# that (simplejpeg, Pillow and OpenCV do not); NVIDIA's nvImageCodec does, on the CPU too
+# (`nvidia-nvimgcodec-cu12`, no GPU needed; libjpeg-turbo underneath): ~14 % less CPU per
+# random crop of the benchmark photos than simplejpeg's full decode, the same pixels but for
+# chroma at the box's edges. Optional: without it, or for a file that does not end with the JPEG
+# end marker (a truncated file must fail, in simplejpeg's strict decode, then Pillow's, not be
+# filled in), the full decode is used. EXIF orientation is not applied, as in Pillow and
+# torchvision.
+
+
+def _decode_region(data: Any, geometry: Geometry, height: int, width: int) -> np.ndarray | None:
+    """The geometry applied to only the box's pixels, decoded by nvImageCodec; None if not."""
+    decoder = _region_decoder() if REGION_DECODING else None
+    if decoder is None or bytes(data[-2:]) != b"\xff\xd9":
+        return None
+    codec, decode, params = decoder
+    top, left = max(math.floor(geometry.top), 0), max(math.floor(geometry.left), 0)
+    bottom = min(math.ceil(geometry.top + geometry.height), height)
+    right = min(math.ceil(geometry.left + geometry.width), width)
+    try:
+        stream = codec.CodeStream(data).get_sub_code_stream(
+            region=codec.Region(top, left, bottom, right)
+        )
+        image = decode(stream, params=params)
+        pixels = None if image is None else np.asarray(image.cpu())
+    except Exception:  # noqa: BLE001 - any failure: the strict decoders decide
+        return None
+    if pixels is None or pixels.shape != (bottom - top, right - left, 3):
+        return None
+    shifted = geometry._replace(left=geometry.left - left, top=geometry.top - top)
+    return _apply_geometry(pixels, shifted)
+
+
+def _region_decoder() -> tuple[Any, Callable, Any] | None:
+    pid = os.getpid()
+    if pid not in _region_decoders:
+        try:
+            from nvidia import nvimgcodec
+
+            decoder = nvimgcodec.Decoder(
+                device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
+                backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.CPU_ONLY)],
+                max_num_cpu_threads=1,
+            )
+            params = nvimgcodec.DecodeParams(
+                apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB
+            )
+            _region_decoders[pid] = (nvimgcodec, decoder.decode, params)
+        except Exception:  # noqa: BLE001 - not installed, or cannot start: full decodes
+            _region_decoders[pid] = None
+    return _region_decoders[pid]
+
+
+def _pillow_jpeg(
+    data: Any, geometry: Geometry, height: int, width: int, min_height: int, min_width: int
+) -> np.ndarray | None:
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.draft("RGB", (min_width, min_height))
+        image = image.convert("RGB")
+    except (OSError, ValueError, SyntaxError):
+        return None
+    return _pillow_geometry(image, geometry, image.width / width, image.height / height)
+
+
+def _apply_geometry(
+    pixels: np.ndarray, geometry: Geometry, height: int | None = None, width: int | None = None
+) -> np.ndarray:
+    """Crop, resize and flip HWC ``pixels``, which are the source scaled to its shape.
+
+    ``height`` x ``width`` is the source size the geometry is in (default: ``pixels``'s).
+    """
+    scale_x = pixels.shape[1] / (width or pixels.shape[1])
+    scale_y = pixels.shape[0] / (height or pixels.shape[0])
+    if BACKEND == "pillow":
+        channels = pixels.shape[2]
+        image = Image.fromarray(pixels if channels != 1 else pixels[..., 0])
+        return _pillow_geometry(image, geometry, scale_x, scale_y).reshape(
+            geometry.out_height, geometry.out_width, channels
+        )
+    _one_thread_in_workers()
+    # Round the box to whole pixels of the scaled image (at most half a pixel off).
+    x0 = min(max(round(geometry.left * scale_x), 0), pixels.shape[1] - 1)
+    y0 = min(max(round(geometry.top * scale_y), 0), pixels.shape[0] - 1)
+    x1 = min(max(round((geometry.left + geometry.width) * scale_x), x0 + 1), pixels.shape[1])
+    y1 = min(max(round((geometry.top + geometry.height) * scale_y), y0 + 1), pixels.shape[0])
+    region = pixels[y0:y1, x0:x1]
+    size = (geometry.out_width, geometry.out_height)
+    shrink = max((x1 - x0) / size[0], (y1 - y0) / size[1])
+    if region.shape[:2] == size[::-1]:
+        out = np.array(region)  # own the pixels (the source may be a file's memory)
+    else:
+        interpolation = cv2.INTER_AREA if shrink > 2 else cv2.INTER_LINEAR
+        out = cv2.resize(region, size, interpolation=interpolation)
+    if geometry.flip:
+        cv2.flip(out, 1, dst=out)  # in place
+    return out.reshape(geometry.out_height, geometry.out_width, pixels.shape[2])
+
+
+_threads_set_in: int | None = None
+
+
+def _one_thread_in_workers() -> None:
+    """In a DataLoader worker, run OpenCV on one thread, as torch runs itself there.
+
+    Workers are already one per core: OpenCV's own thread pool would only contend with them.
+    The main process (``num_workers=0``) keeps the user's OpenCV setting.
+    """
+    global _threads_set_in
+    pid = os.getpid()
+    if _threads_set_in != pid:
+        _threads_set_in = pid
+        if get_worker_info() is not None:
+            cv2.setNumThreads(1)
+
+
+def _pillow_geometry(
+    image: Image.Image, geometry: Geometry, scale_x: float, scale_y: float
+) -> np.ndarray:
+    box = (
+        geometry.left * scale_x,
+        geometry.top * scale_y,
+        (geometry.left + geometry.width) * scale_x,
+        (geometry.top + geometry.height) * scale_y,
+    )
+    size = (geometry.out_width, geometry.out_height)
+    image = image.resize(size, Image.BILINEAR, box=box)
+    if geometry.flip:
+        image = image.transpose(Image.FLIP_LEFT_RIGHT)
+    pixels = np.array(image)
+    return pixels if pixels.ndim == 3 else pixels[..., None]
+
+
+def _channels_first(pixels: np.ndarray) -> np.ndarray:
+    """HWC pixels as a contiguous CHW array.
+
+    NOTE [ Channels-first once ]
+    ``PILToTensor`` returns a CHW *view* of HWC pixels (as torchvision's), and collating such
+    views into a batch is a transposing copy: ~44 us per 224x224 image, 14x a plain copy
+    (benchmarked with ``torch.stack`` on one core). OpenCV's ``split`` de-interleaves into a
+    CHW array in ~5 us, after which the batch copy is a plain one (~3 us).
+    """
+    height, width, channels = pixels.shape
+    if BACKEND == "pillow":
+        return np.ascontiguousarray(pixels.transpose(2, 0, 1))
+    planes = np.empty((channels, height, width), dtype=np.uint8)
+    cv2.split(pixels, list(planes))
+    return planes
+
+
+def _as_hwc(image: Any) -> np.ndarray:
+    """A decoded image (PIL, CHW tensor or HWC array) as a uint8 HWC array."""
+    if isinstance(image, Image.Image):
+        pixels = np.asarray(image)
+        return pixels if pixels.ndim == 3 else pixels[..., None]
+    if isinstance(image, torch.Tensor):
+        return image.permute(1, 2, 0).numpy()
+    return image
