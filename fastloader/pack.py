@@ -37,6 +37,7 @@ from fastloader._pack_worker import (
     start_worker,
 )
 from fastloader.formats import (
+    CHECKS,
     STORE_MODES,
     format_from_suffix,
     open_writer,
@@ -179,12 +180,20 @@ class _Job(NamedTuple):
     classes: list[str]
     source: str
     parallel: bool  # False when the encoder cannot reach worker processes
+    relative: Callable[[int], str] | None = None  # item i's path relative to SRC, if a file
 
 
 def _folder_job(root: str | os.PathLike, options: Options) -> _Job:
     samples, classes = scan_image_folder(root)
     source = os.path.abspath(os.path.expanduser(os.fspath(root)))
-    return _Job(FolderEncoder(options), samples, lambda i: samples[i][0], classes, source, True)
+    root = os.path.expanduser(os.fspath(root))
+
+    def relative(index: int) -> str:
+        return os.path.relpath(samples[index][0], root)
+
+    return _Job(
+        FolderEncoder(options), samples, lambda i: samples[i][0], classes, source, True, relative
+    )
 
 
 def _dataset_job(dataset: Any, options: Options, classes: Sequence[str] | None) -> _Job:
@@ -295,6 +304,7 @@ def pack(
     strict: bool = False,
     progress: bool | None = None,
     classes: Sequence[str] | None = None,
+    check: str = "full",
 ) -> PackSummary:
     """Pack an image folder or a map-style dataset into one LMDB or HDF5 file.
 
@@ -326,6 +336,10 @@ def pack(
         progress: show a progress bar on stderr; default when stderr is a terminal.
         classes: for a dataset, the class names; default ``dataset.classes``, else ``"0"`` up to
             the largest label (which needs ``dataset.targets`` or one more pass for labels).
+        check: ``"full"`` (default) decodes every image stored, JPEGs strictly at their smallest
+            DCT scale, so a file damaged anywhere is skipped; ``"quick"`` (weaker, faster for
+            ``store="encoded"``) only checks each file's header and end marker, finding
+            truncated files but not damage inside them.
 
     Returns:
         a :class:`PackSummary` of what was written and skipped.
@@ -347,7 +361,9 @@ def pack(
     target = Path(os.path.expanduser(os.fspath(path)))
     format = format or format_from_suffix(target)
     _check_target(target, overwrite)
-    options = Options(store, quality, max_side, short_side)
+    if check not in CHECKS:
+        raise ValueError(f"check must be one of {', '.join(CHECKS)}, got {check!r}")
+    options = Options(store, quality, max_side, short_side, check)
     if isinstance(source, (str, os.PathLike)):
         if classes is not None:
             raise ValueError("classes= is for datasets: an image folder's classes are its folders")
@@ -367,6 +383,7 @@ def pack(
         "max_side": max_side,
         "short_side": short_side,
         "quality": quality if store == "jpeg" else None,
+        "check": check,
     }
     temp = target.with_name(f".{target.name}.partial-{os.getpid()}")
     with contextlib.suppress(FileNotFoundError):
@@ -378,7 +395,7 @@ def pack(
         show = sys.stderr.isatty() if progress is None else progress
         bar = tqdm(total=len(job.items), desc=target.name, unit="img", disable=not show)
         with contextlib.closing(results), bar:
-            skipped = _write_all(writer, results, job.name, strict, bar)
+            skipped = _write_all(writer, results, job.name, strict, bar, job.relative)
         if writer.count == 0:
             where, reason = skipped[0]
             raise ValueError(f"no image could be read from {job.source} (first: {where}: {reason})")
@@ -399,13 +416,20 @@ def pack(
 
 
 def _write_all(
-    writer: Any, results: Iterable[Encoded], name: Callable, strict: bool, bar: tqdm
+    writer: Any,
+    results: Iterable[Encoded],
+    name: Callable,
+    strict: bool,
+    bar: tqdm,
+    relative: Callable[[int], str] | None = None,
 ) -> list[tuple[str, str]]:
-    """Append every record in order; return the skipped ``(name, reason)`` pairs."""
+    """Append every record in order, with its source path if any; return the skipped
+    ``(name, reason)`` pairs."""
     skipped = []
     for index, result in enumerate(results):
         if result.reason is None:
-            writer.append(result.record, result.label)
+            source = None if relative is None else relative(index)
+            writer.append(result.record, result.label, source)
         elif strict:
             raise BadImageError(f"{name(index)}: {result.reason}")
         else:

@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 from fastloader import DataLoader, HDF5Dataset, LMDBDataset, PackError, open_pack, read_metadata
+from fastloader.formats.metadata import _canonical, array_checksum
 from fastloader.formats import (
     RecordKind,
     decode_record,
@@ -195,28 +196,47 @@ def test_foreign_files_are_refused(tmp_path):
     for path in (foreign_lmdb, foreign_h5):
         with pytest.raises(PackError, match=f"{path.name}: not a complete fastloader pack"):
             open_pack(path)
-    with pytest.raises(PackError, match="notes.lmdb: not a readable LMDB file"):
+    with pytest.raises(PackError, match="notes.lmdb: not a fastloader pack .named as an LMDB"):
         open_pack(text)
+    with pytest.raises(PackError, match="notes.lmdb: not an LMDB file"):
+        LMDBDataset(text)
     with pytest.raises(PackError, match="is a directory"):
         open_pack(tmp_path)
 
 
-def _rewrite_metadata(path, fmt, change) -> None:
+def _rewrite_metadata(path, fmt, change, reseal: bool = True) -> None:
+    """Rewrite a pack's metadata JSON; ``reseal`` recomputes its checksum as a writer would."""
+
+    def changed(raw: bytes) -> bytes:
+        metadata = change(json.loads(raw))
+        if reseal:
+            metadata["checksum"] = array_checksum(_canonical(metadata))
+        return json.dumps(metadata).encode()
+
     if fmt == "lmdb":
         env = lmdb.open(str(path), subdir=False, lock=False)
         with env.begin(write=True) as txn:
-            metadata = json.loads(txn.get(b"__metadata__"))
-            txn.put(b"__metadata__", json.dumps(change(metadata)).encode())
+            txn.put(b"__metadata__", changed(txn.get(b"__metadata__")))
         env.close()
     else:
         with h5py.File(path, "r+") as file:
-            metadata = json.loads(file.attrs["fastloader"])
-            file.attrs["fastloader"] = json.dumps(change(metadata))
+            raw = changed(file["metadata"][()].tobytes())
+            del file["metadata"]
+            file["metadata"] = np.frombuffer(raw, dtype=np.uint8)
 
 
-def test_newer_format_version_is_refused(pack_path, fmt):
-    _rewrite_metadata(pack_path, fmt, lambda m: {**m, "version": 2})
-    with pytest.raises(PackError, match="newer fastloader \\(format version 2"):
+def test_other_format_versions_are_refused(pack_path, fmt):
+    _rewrite_metadata(pack_path, fmt, lambda m: {**m, "version": 3})
+    with pytest.raises(PackError, match="newer fastloader \\(format version 3"):
+        open_pack(pack_path)
+    _rewrite_metadata(pack_path, fmt, lambda m: {**m, "version": 1})
+    with pytest.raises(PackError, match="older fastloader .format version 1.*re-pack it"):
+        open_pack(pack_path)
+
+
+def test_edited_metadata_fails_its_checksum(pack_path, fmt):
+    _rewrite_metadata(pack_path, fmt, lambda m: {**m, "classes": ["cat", "dog", "fisH"]}, False)
+    with pytest.raises(PackError, match="damaged metadata .checksum mismatch"):
         open_pack(pack_path)
 
 
@@ -224,8 +244,14 @@ def test_newer_format_version_is_refused(pack_path, fmt):
     ("change", "problem"),
     [
         (lambda m: {**m, "format": "tfrecord"}, "foreign metadata"),
-        (lambda m: {**m, "count": 13}, "13 records|offsets do not fit"),
+        (lambda m: {**m, "count": 13}, "13 records|offsets do not fit|do not fit the metadata"),
         (lambda m: {**m, "classes": ["cat"]}, "outside the 1 classes"),
+        (lambda m: {**m, "classes": []}, "no classes"),
+        (lambda m: {**m, "classes": ["cat", "cat", "dog"]}, "class names repeat"),
+        (lambda m: {**m, "count": True}, "bad count .True"),
+        (lambda m: {**m, "count": -1}, "bad count .-1"),
+        (lambda m: {**m, "info": [1]}, "info is not an object"),
+        (lambda m: {**m, "checksums": {**m["checksums"], "labels": "0" * 16}}, "damaged labels"),
         (lambda m: {**m, "store": "zip"}, "unknown store mode 'zip'"),
     ],
 )
@@ -242,11 +268,21 @@ def test_corrupt_record_names_the_record(tmp_path):
     with env.begin(write=True) as txn:
         key = (4).to_bytes(8, "big")
         txn.put(key, txn.get(key)[:-10])
+        key = (5).to_bytes(8, "big")
+        record = bytearray(txn.get(key))
+        record[-1] ^= 1
+        txn.put(key, bytes(record))
     env.close()
     dataset = LMDBDataset(path)
     assert dataset[3][1] == 0
-    with pytest.raises(PackError, match="p.lmdb record 4: truncated record"):
+    with pytest.raises(PackError, match="p.lmdb record 4: damaged record .checksum mismatch"):
         dataset[4]
+    with pytest.raises(PackError, match="p.lmdb record 5: damaged record .checksum mismatch: st"):
+        dataset[5]
+    unchecked = LMDBDataset(path, verify_checksums=False)
+    with pytest.raises(PackError, match="p.lmdb record 4: truncated record"):
+        unchecked[4]
+    assert unchecked[5][1] == 2  # read without the check: the flipped pixel goes unnoticed
 
 
 def test_undecodable_stored_image_names_the_record(tmp_path, fmt):
@@ -291,8 +327,10 @@ def test_record_codec_round_trip_and_errors():
         encode_record(b"abc", 0, RecordKind.RAW, shape=(2, 2, 3))
     with pytest.raises(ValueError, match="uint8 HWC"):
         encode_record(pixels.astype(np.float32), 0, RecordKind.RAW)
-    with pytest.raises(PackError, match="not a fastloader record"):
+    with pytest.raises(PackError, match="checksum mismatch"):
         decode_record(b"X" * 40, where="here")
+    with pytest.raises(PackError, match="not a fastloader record"):
+        decode_record(b"X" * 40, where="here", verify=False)
     with pytest.raises(PackError, match="here: truncated record"):
         decode_record(b"FL", where="here")
 
@@ -302,6 +340,6 @@ def test_hdf5_records_are_read_from_a_memory_map(tmp_path):
     _write(path, "hdf5", store="raw")
     dataset = HDF5Dataset(path, decode="numpy")
     np.testing.assert_array_equal(dataset[5][0], _pixels(5))
-    assert isinstance(dataset._handle.records(), np.memmap)  # zero-copy reads, no chunk cache
+    assert isinstance(dataset._handle.maps["records"], np.memmap)  # zero-copy, no chunk cache
     with h5py.File(path) as file:
         assert file["records"].chunks is None
