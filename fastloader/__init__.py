@@ -2,6 +2,7 @@
 
 from fastloader.device import DevicePrefetcher, move_to_device, pin, resolve_device
 from fastloader.formats import HDF5Dataset, LMDBDataset, PackError, open_pack, read_metadata
+from fastloader.formats.verify import VerifyReport, verify
 from fastloader.loader import DataLoader
 from fastloader.pack import PackSummary, pack
 from fastloader.stats import EpochStats, LoaderStats, timed_iter
@@ -24,5 +25,7 @@ __all__ = [
     "read_metadata",
     "resolve_device",
     "timed_iter",
+    "verify",
+    "VerifyReport",
 ]
 __version__ = "0.1.0"

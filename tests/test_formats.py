@@ -15,7 +15,6 @@ import torch
 from PIL import Image
 
 from fastloader import DataLoader, HDF5Dataset, LMDBDataset, PackError, open_pack, read_metadata
-from fastloader.formats.metadata import _canonical, array_checksum
 from fastloader.formats import (
     RecordKind,
     decode_record,
@@ -23,6 +22,7 @@ from fastloader.formats import (
     format_from_suffix,
     open_writer,
 )
+from fastloader.formats.metadata import _canonical, array_checksum
 
 FORMATS = {"lmdb": (".lmdb", LMDBDataset), "hdf5": (".h5", HDF5Dataset)}
 CLASSES = ["cat", "dog", "fish"]

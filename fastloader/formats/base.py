@@ -232,12 +232,14 @@ class PackedDataset(Dataset):
 
     def _record(self, position: int, buffer: Any) -> Record:
         if buffer is None:
-            raise PackError(f"{self.path}: record {position} is missing (corrupt pack)")
+            raise PackError(f"{self.path} record {position}: missing (corrupt pack)")
         record = decode_record(
             buffer, where=f"{self.path} record {position}", verify=self.verify_checksums
         )
         if record.label != self.targets[position]:
-            raise PackError(f"{self.path}: record {position} disagrees with the label index")
+            raise PackError(
+                f"{self.path} record {position}: its label differs from the label index"
+            )
         return record
 
     def _decoded(self, position: int, buffer: Any) -> tuple[Any, int]:
@@ -368,9 +370,9 @@ class PackWriter:
         arrays = {"labels": np.frombuffer(self._labels, dtype=np.int64).astype("<i8")}
         if self._with_sources:
             arrays["sources"] = np.frombuffer(bytes(self._sources), dtype=np.uint8)
-            arrays["source_offsets"] = np.frombuffer(
-                self._source_offsets, dtype=np.int64
-            ).astype("<i8")
+            arrays["source_offsets"] = np.frombuffer(self._source_offsets, dtype=np.int64).astype(
+                "<i8"
+            )
         return arrays
 
     def metadata_json(self, arrays: dict[str, np.ndarray]) -> bytes:
