@@ -270,7 +270,7 @@ def test_lmdb_meta_page_pointing_outside_the_file_is_refused(tmp_path, field):
 def test_lmdb_errors_are_pack_errors_naming_the_file(tmp_path):
     path = _write(tmp_path / "p.lmdb", "lmdb")
     data = bytearray(path.read_bytes())
-    for offset, size, flags, key in _leaf_nodes(bytes(data)):
+    for offset, _, _, key in _leaf_nodes(bytes(data)):
         if key == b"__metadata__":
             struct.pack_into("<H", data, offset + 6, 0xFFF0)  # a key size beyond the page
     path.write_bytes(data)
