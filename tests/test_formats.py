@@ -343,3 +343,22 @@ def test_hdf5_records_are_read_from_a_memory_map(tmp_path):
     assert isinstance(dataset._handle.maps["records"], np.memmap)  # zero-copy, no chunk cache
     with h5py.File(path) as file:
         assert file["records"].chunks is None
+
+
+def test_a_repacked_path_opens_the_new_file_while_the_old_dataset_lives(tmp_path, fmt):
+    path = tmp_path / f"p{FORMATS[fmt][0]}"
+    _write(path, fmt, count=12)
+    old = FORMATS[fmt][1](path, decode="numpy")
+    np.testing.assert_array_equal(old[0][0], _pixels(0))
+    replacement = tmp_path / f"new{FORMATS[fmt][0]}"  # as pack(overwrite=True) does: rename
+    with open_writer(replacement, fmt, store="raw", classes=CLASSES) as writer:
+        for index in range(5):
+            writer.append(encode_record(_pixels(100 + index), 1, RecordKind.RAW), 1)
+    replacement.replace(path)
+    new = FORMATS[fmt][1](path, decode="numpy")
+    assert len(new) == 5 and new.targets.tolist() == [1] * 5
+    np.testing.assert_array_equal(new[0][0], _pixels(100))
+    np.testing.assert_array_equal(old[3][0], _pixels(3))  # the old one keeps its own file open
+    old.close()  # reopening finds another file at its path: refused, not mixed
+    with pytest.raises(PackError, match="the file changed since this dataset opened it"):
+        old[0]
