@@ -328,9 +328,9 @@ def pack(
             torchvision's ``Resize(n)``; store at the size you train at and reading needs no
             resize). With both, images fit both; images are never enlarged.
         workers: processes that decode and encode; default all usable CPUs, except for an
-            image folder with ``store="encoded"``, whose files are only checked, in this
-            process; 0 or 1 encode in this process, as does a dataset that cannot be pickled
-            when workers do not fork.
+            image folder with ``store="encoded"`` and ``check="quick"``, whose files are only
+            checked, in this process; 0 or 1 encode in this process, as does a dataset that
+            cannot be pickled when workers do not fork.
         overwrite: replace an existing ``path``.
         strict: fail on the first image that cannot be read instead of skipping it.
         progress: show a progress bar on stderr; default when stderr is a terminal.
@@ -371,10 +371,11 @@ def pack(
     else:
         job = _dataset_job(source, options, classes)
     if workers is None:
-        # Checking the files of a folder kept as they are (store="encoded") costs less than
-        # sending them between processes: measured 1.6x faster in this process.
+        # Quick-checking the files of a folder kept as they are (store="encoded") costs less
+        # than sending them between processes: measured 1.6x faster in this process. The full
+        # check decodes every image: that is worth the workers.
         keeps_files = store == "encoded" and isinstance(source, (str, os.PathLike))
-        workers = 0 if keeps_files else _default_workers()
+        workers = 0 if keeps_files and check == "quick" else _default_workers()
     workers = min(workers, len(job.items)) if job.parallel else 0
     info = {
         "source": job.source,

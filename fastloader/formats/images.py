@@ -112,14 +112,14 @@ def check_image(data: bytes, full: bool = True) -> None:
     Raises:
         PIL.UnidentifiedImageError, OSError: as ``decode_image``, or for damaged JPEG data.
     """
+    if full and is_jpeg(data):
+        check_jpeg(data)
+        return
+    if full:
+        decode_image(data)
+        return
     with strict_decoding():
         image = Image.open(io.BytesIO(data))
-    if full:
-        if image.format == "JPEG":
-            check_jpeg(data)
-        else:
-            decode_image(data)
-        return
     marker = _END_MARKERS.get(image.format or "")
     if marker is None or not data.endswith(marker):
         decode_image(data, max_side=1)
