@@ -12,7 +12,8 @@ Reads run in a child process (``python -m benchmarks.fuzz --child``) fed one dam
 line; when it dies, the trial it was on is counted as crashed and a fresh child takes the rest.
 tests/test_pack_fuzz.py runs a bounded version of this in CI.
 
-Run: ``python -m benchmarks.fuzz [--trials 80] [--seed 0]`` (not part of ``python -m benchmarks``).
+Run: ``python -m benchmarks.fuzz [--trials 80] [--seed 0] [--photos]`` (not part of
+``python -m benchmarks``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ OUTCOMES = ("correct or PackError", "silently wrong", "other exception", "crashe
 BACKENDS = {"lmdb": ".lmdb", "hdf5": ".h5"}
 STORES = ("raw", "encoded")
 CLASSES = ["a", "b", "c"]
+_NO_CHECKSUMS = "FASTLOADER_FUZZ_NO_CHECKSUMS"  # "1": read with verify_checksums=False
 
 
 def _pixels(index: int) -> np.ndarray:
@@ -69,7 +71,8 @@ def read_all(path: str) -> dict:
 
     result: dict = {}
     try:
-        dataset = open_pack(path, decode="numpy")
+        checksums = os.environ.get(_NO_CHECKSUMS) != "1"
+        dataset = open_pack(path, decode="numpy", verify_checksums=checksums)
     except (PackError, FileNotFoundError):
         return {"open": "PackError"}
     except Exception as error:  # noqa: BLE001 - what we are looking for
@@ -145,12 +148,24 @@ def run_trials(paths: list[Path], timeout: float = 60.0) -> list[dict | None]:
     return results[: len(paths)]
 
 
+def make_photo_pack(path: Path, store: str, workdir: Path, count: int = 24) -> Path:
+    """A pack made by ``fastloader.pack`` from the benchmark suite's photos (real JPEGs)."""
+    from benchmarks._photos import image_folder
+    from fastloader import pack
+
+    folder = image_folder(workdir, count)
+    pack(folder, path, store=store, short_side=None if store == "encoded" else 64, workers=0)
+    return path
+
+
 def fuzz(
-    workdir: Path, backend: str, store: str, trials: int, kind: str, seed: int
+    workdir: Path, backend: str, store: str, trials: int, kind: str, seed: int, photos: bool
 ) -> dict[str, int]:
     """Count the outcomes of ``trials`` damaged copies of one small pack."""
-    original = workdir / f"orig-{store}{BACKENDS[backend]}"
-    if not original.exists():
+    original = workdir / f"orig-{store}-{photos}{BACKENDS[backend]}"
+    if not original.exists() and photos:
+        make_photo_pack(original, store, workdir)
+    elif not original.exists():
         make_pack(original, backend, store)
     expected = read_all(str(original))
     data = original.read_bytes()
@@ -183,7 +198,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trials", type=int, default=80)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kinds", default="flip,truncate")
+    parser.add_argument(
+        "--photos",
+        action="store_true",
+        help="packs of real photos made by pack() (default: "
+        "small synthetic packs of PNG/JPEG/raw records of 384 B to 3.4 KB)",
+    )
+    parser.add_argument(
+        "--no-checksums",
+        action="store_true",
+        help="read with verify_checksums=False: what the record checksums catch",
+    )
     args = parser.parse_args(argv)
+    if args.no_checksums:
+        os.environ[_NO_CHECKSUMS] = "1"
     if args.child:
         _child()
         return
@@ -194,7 +222,9 @@ def main(argv: list[str] | None = None) -> None:
             for store in STORES:
                 for kind in args.kinds.split(","):
                     started = time.perf_counter()
-                    counts = fuzz(Path(workdir), backend, store, args.trials, kind, args.seed)
+                    counts = fuzz(
+                        Path(workdir), backend, store, args.trials, kind, args.seed, args.photos
+                    )
                     cells = " | ".join(str(counts[name]) for name in OUTCOMES)
                     what = "3 random byte flips" if kind == "flip" else "truncation"
                     print(
