@@ -71,6 +71,7 @@ class PackedDataset(Dataset):
         transform: Callable | None = None,
         target_transform: Callable | None = None,
         decode: str = "pil",
+        *,
         verify_checksums: bool = True,
     ) -> None:
         if decode not in DECODE_MODES:

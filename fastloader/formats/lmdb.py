@@ -122,6 +122,9 @@ def _open_environment(path: Path, identity: tuple[int, int, int, int]) -> _Env:
         if file_identity(path) != identity:
             raise PackError(f"{path}: the file changed while it was being opened")
         start = mapping_start(path, identity, env.info()["map_size"])
+    except lmdb.Error as error:
+        env.close()
+        raise PackError(f"{path}: damaged LMDB file ({error})") from None
     except BaseException:
         env.close()
         raise
@@ -209,6 +212,12 @@ class LMDBDataset(PackedDataset):
             raise PackError(f"{self.path}: corrupt pack (source path offsets do not fit)")
 
     def _read_source(self, handle: _Env, position: int) -> bytes:
+        try:
+            return self._read_source_in(handle, position)
+        except lmdb.Error as error:
+            raise PackError(f"{self.path}: damaged LMDB file ({error})") from None
+
+    def _read_source_in(self, handle: _Env, position: int) -> bytes:
         with handle.env.begin(buffers=True) as txn:
             offsets = self._get(handle, txn, _SOURCE_OFFSETS_KEY, "the source path offsets")
             blob = self._get(handle, txn, _SOURCES_KEY, "the source paths")
