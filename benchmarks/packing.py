@@ -270,7 +270,8 @@ def run(size: str, workdir: Path) -> dict:
         "peer_skipped": peer_skipped,
         "notes": [
             "images/s: pack of the whole folder (scan, check or decode/encode, write, sync) with "
-            "pack()'s default workers: 2 for raw/jpeg, none for encoded (files are only checked)",
+            "pack()'s default workers: 2, except none for encoded with check quick (files are "
+            "only checked for their header and end marker)",
             "check full (default): every stored image is decoded (JPEGs by libjpeg-turbo, strict, "
             "at 1/8 scale); check quick: header and end marker only (packing before issue 10)",
             "litdata optimize: start_method='fork' (its default, spawn, adds seconds of start-up)"
