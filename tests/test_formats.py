@@ -6,6 +6,7 @@ import io
 import json
 import multiprocessing
 import pickle
+import sys
 
 import h5py
 import lmdb
@@ -362,3 +363,26 @@ def test_a_repacked_path_opens_the_new_file_while_the_old_dataset_lives(tmp_path
     old.close()  # reopening finds another file at its path: refused, not mixed
     with pytest.raises(PackError, match="the file changed since this dataset opened it"):
         old[0]
+
+
+def test_a_damaged_record_read_by_a_worker_raises_pack_error_in_the_loop(tmp_path, fmt):
+    path = tmp_path / f"p{FORMATS[fmt][0]}"
+    _write(path, fmt)
+    data = bytearray(path.read_bytes())
+    at = data.find(_pixels(7).tobytes())
+    data[at + 5] ^= 0xFF
+    path.write_bytes(data)
+    loader = DataLoader(FORMATS[fmt][1](path, decode="numpy"), batch_size=None, num_workers=1)
+    with loader, pytest.raises(PackError, match=f"p{FORMATS[fmt][0]} record 7: damaged record"):
+        list(loader)
+
+
+def test_lmdb_maps_no_more_than_the_file(tmp_path):
+    path = tmp_path / "p.lmdb"
+    _write(path, "lmdb")  # written with a 1 TiB map size in its meta page
+    dataset = LMDBDataset(path)
+    dataset[0]
+    handle = dataset._handle
+    assert handle.env.info()["map_size"] <= path.stat().st_size
+    if sys.platform.startswith("linux"):  # values are checked against the mapping itself
+        assert handle.start is not None
