@@ -153,6 +153,12 @@ def test_unexpected_dtypes_and_float_labels_are_refused(h5_pack, tmp_path):
         file["payload"] = np.zeros(4)
     with pytest.raises(PackError, match="unexpected datasets \\['payload'\\]"):
         open_pack(extra)
+    undecodable = tmp_path / "undecodable.h5"  # a name h5py gives back as bytes (fuzzing found)
+    _copy_h5(h5_pack, undecodable, {})
+    with h5py.File(undecodable, "a") as file:
+        file.create_dataset(b"\xff\xfename", data=np.zeros(2))
+    with pytest.raises(PackError, match="undecodable.h5: not a fastloader pack .unexpected"):
+        open_pack(undecodable)
 
 
 # --- metadata: bounded JSON, every field checked ------------------------------------------------

@@ -55,6 +55,12 @@ class _Handle:
             raise PackError(f"{path}: not a readable HDF5 file ({_short(error)})") from None
         try:
             self.maps = self._checked_maps()
+        except PackError:
+            self.file.close()
+            raise
+        except Exception as error:  # noqa: BLE001 - h5py on a damaged file: anything
+            self.file.close()
+            raise PackError(f"{path}: damaged HDF5 file ({_short(error)})") from None
         except BaseException:
             self.file.close()
             raise
@@ -75,7 +81,7 @@ class _Handle:
         if names & set(_SOURCES):
             expected.update(_SOURCES)
         if names != set(expected):
-            strange = sorted(names ^ set(expected))
+            strange = sorted(str(name) for name in names ^ set(expected))  # names may be bytes
             raise PackError(f"{path}: not a fastloader pack (unexpected datasets {strange})")
         return {name: self._map(name, dtype) for name, dtype in expected.items()}
 
