@@ -153,8 +153,19 @@ def checksum_cost(path: Path, format: str, rounds: int = 7) -> dict:
     table's raw rows do (uint8 CHW tensor, centre crop to 224), ``bare`` only copies each
     record's pixels out (uint8 HWC array, no transform), where a checksum costs most relative
     to the read. Rounds alternate on/off; reported: median records/s and the median of the
-    per-round on/off ratios.
+    per-round on/off ratios. Torch runs one thread, as in a DataLoader worker.
     """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in a DataLoader worker
+    try:
+        return _checksum_cost(path, format, rounds)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _checksum_cost(path: Path, format: str, rounds: int) -> dict:
     from fastloader import HDF5Dataset, LMDBDataset
 
     reader = {"lmdb": LMDBDataset, "hdf5": HDF5Dataset}[format]
