@@ -96,12 +96,12 @@ def torch_loader(dataset: Dataset, batch: int) -> TorchDataLoader:
     )
 
 
-def pack_dataset(path: Path, format: str, decode: str) -> Dataset:
+def pack_dataset(path: Path, format: str, decode: str, checksums: bool = True) -> Dataset:
     """``LMDBDataset``/``HDF5Dataset`` over ``path`` with the benchmark's transform."""
     from fastloader import HDF5Dataset, LMDBDataset
 
     reader = {"lmdb": LMDBDataset, "hdf5": HDF5Dataset}[format]
-    return reader(path, transform=ResizeCenterCrop(), decode=decode)
+    return reader(path, transform=ResizeCenterCrop(), decode=decode, verify_checksums=checksums)
 
 
 class _Case(NamedTuple):
@@ -125,11 +125,13 @@ def _cases(folder: Path, workdir: Path, batch: int) -> list[_Case]:
             labels, lambda: make(ImageFolderDataset(folder, ResizeCenterCrop()), batch), folder_size
         )
 
-    def pack_case(path: Path, format: str, store: str, decode: str) -> _Case:
+    def pack_case(path: Path, format: str, store: str, decode: str, checksums: bool) -> _Case:
         labels = {"reader": format, "store": store, "decode": decode, "loader": "fastloader"}
+        if not checksums:
+            labels["decode"] += ", no checksum"
         return _Case(
             labels,
-            lambda: fastloader_loader(pack_dataset(path, format, decode), batch),
+            lambda: fastloader_loader(pack_dataset(path, format, decode, checksums), batch),
             path.stat().st_size,
         )
 
@@ -138,8 +140,61 @@ def _cases(folder: Path, workdir: Path, batch: int) -> list[_Case]:
         for store in STORES:
             path = packed(folder, workdir, format, store, SHORT_SIDE)
             for decode in ("pil", "tensor") if store == "raw" else ("pil",):
-                cases.append(pack_case(path, format, store, decode))
+                cases.append(pack_case(path, format, store, decode, True))
+            if store == "raw":  # what verifying each record's checksum costs: on vs off
+                cases.append(pack_case(path, format, store, "tensor", False))
     return cases
+
+
+def checksum_cost(path: Path, format: str, rounds: int = 7) -> dict:
+    """Raw-pack read throughput with checksums verified vs not, in this process, interleaved.
+
+    Two read paths over the records of a raw pack, batches of 64: ``pipeline`` is what the
+    table's raw rows do (uint8 CHW tensor, centre crop to 224), ``bare`` only copies each
+    record's pixels out (uint8 HWC array, no transform), where a checksum costs most relative
+    to the read. Rounds alternate on/off; reported: median records/s and the median of the
+    per-round on/off ratios. Torch runs one thread, as in a DataLoader worker.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in a DataLoader worker
+    try:
+        return _checksum_cost(path, format, rounds)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _checksum_cost(path: Path, format: str, rounds: int) -> dict:
+    from fastloader import HDF5Dataset, LMDBDataset
+
+    reader = {"lmdb": LMDBDataset, "hdf5": HDF5Dataset}[format]
+    result: dict = {"format": format}
+    for path_name, decode, transform, repeats in (
+        ("pipeline", "tensor", ResizeCenterCrop(), 1),
+        ("bare", "numpy", None, 4),
+    ):
+        datasets = {
+            on: reader(path, decode=decode, transform=transform, verify_checksums=on)
+            for on in (True, False)
+        }
+        count = len(datasets[True])
+        batches = [list(range(i, min(i + 64, count))) for i in range(0, count, 64)] * repeats
+        rates: dict[bool, list[float]] = {True: [], False: []}
+        for number in range(rounds + 1):
+            for on in (True, False) if number % 2 else (False, True):
+                started = time.perf_counter()
+                for batch in batches:
+                    datasets[on].__getitems__(batch)
+                if number:  # round 0 warms the page cache and both datasets
+                    rates[on].append(count * repeats / (time.perf_counter() - started))
+        ratios = [on / off for on, off in zip(rates[True], rates[False], strict=True)]
+        result[path_name] = {
+            "records_per_s_on": round(statistics.median(rates[True])),
+            "records_per_s_off": round(statistics.median(rates[False])),
+            "on_vs_off": round(statistics.median(ratios), 4),
+        }
+    return result
 
 
 def run(size: str, workdir: Path) -> dict:
@@ -171,6 +226,18 @@ def run(size: str, workdir: Path) -> dict:
         if row is not rows[0]:
             ratios[_key(row) + "_vs_image_folder"] = row["vs_image_folder"]
     best_raw = max(row["vs_image_folder"] for row in rows if row["store"] == "raw")
+    for format in FORMATS:
+        on, off = (
+            next(r for r in rows if r["reader"] == format and r["decode"] == decode)
+            for decode in ("tensor", "tensor, no checksum")
+        )
+        ratios[f"{format}_raw_tensor_checksums_on_vs_off"] = round(
+            on["samples_per_s"] / off["samples_per_s"], 3
+        )
+    for format in FORMATS:
+        cost = checksum_cost(packed(folder, workdir, format, "raw", SHORT_SIDE), format)
+        for name in ("pipeline", "bare"):
+            ratios[f"{format}_raw_{name}_read_checksums_on_vs_off"] = cost[name]["on_vs_off"]
     return {
         "comparison": "formats",
         "config": {
@@ -190,6 +257,8 @@ def run(size: str, workdir: Path) -> dict:
             "raw/jpeg packs were made with short_side=224 (the training size), so reading them "
             "needs only the centre crop; the image folder is resized from the original files",
             f"goal: raw packs >= 5x the image folder; best raw here: {best_raw:.2f}x",
+            "checksums: every pack row verifies each record's xxh3 checksum (the default); "
+            "the 'no checksum' rows read the same raw packs with verify_checksums=False",
         ],
     }
 
@@ -197,5 +266,7 @@ def run(size: str, workdir: Path) -> dict:
 def _key(row: dict) -> str:
     if row["reader"] == "image folder":
         return f"image_folder_{row['loader']}"
-    suffix = "_tensor" if row["decode"] == "tensor" else ""
+    suffix = {"tensor": "_tensor", "tensor, no checksum": "_tensor_no_checksum"}.get(
+        row["decode"], ""
+    )
     return f"{row['reader']}_{row['store']}{suffix}"

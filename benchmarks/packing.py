@@ -147,26 +147,37 @@ def _litdata_loader(out: Path, batch: int) -> Any:
 
 
 def _fastloader_packs(folder: Path, workdir: Path, repeats: int) -> tuple[list[dict], dict]:
-    """Pack ``folder`` in every format and store mode; rows and the LMDB packs' paths."""
+    """Pack ``folder`` in every format and store mode; rows and the LMDB packs' paths.
+
+    Every pack is made with ``check="full"`` (the default: every image decoded, JPEGs strictly);
+    LMDB also with ``check="quick"`` (header and end marker only, what packing did before
+    issue 10), interleaved with it, so the rows show what the full check costs.
+    """
     rows, lmdb_paths = [], {}
     for format, suffix in FORMATS.items():
         for store in STORES:
             path = workdir / f"{store}{suffix}"
-            seconds, count = [], 0
-            for _ in range(repeats):
-                started = time.perf_counter()
-                summary = pack(
-                    folder,
-                    path,
-                    store=store,
-                    max_side=None if store == "encoded" else MAX_SIDE,
-                    workers=None,  # the default: 2 here, none for "encoded" (files only checked)
-                    overwrite=True,
-                    progress=False,
-                )
-                seconds.append(time.perf_counter() - started)
-                count = summary.count
-            rows.append(_pack_row("fastloader", format, store, count, seconds, summary.size_bytes))
+            checks = ("full", "quick") if format == "lmdb" else ("full",)
+            seconds: dict[str, list[float]] = {check: [] for check in checks}
+            sizes, count = {}, 0
+            for number in range(repeats):
+                for check in checks if number % 2 == 0 else reversed(checks):
+                    started = time.perf_counter()
+                    summary = pack(
+                        folder,
+                        path,
+                        store=store,
+                        max_side=None if store == "encoded" else MAX_SIDE,
+                        workers=None,  # the default: 2 here, none for "encoded" (files checked)
+                        overwrite=True,
+                        progress=False,
+                        check=check,
+                    )
+                    seconds[check].append(time.perf_counter() - started)
+                    count, sizes[check] = summary.count, summary.size_bytes
+            for check in checks:
+                tool = "fastloader" if check == "full" else "fastloader (check quick)"
+                rows.append(_pack_row(tool, format, store, count, seconds[check], sizes[check]))
             if format == "lmdb":
                 lmdb_paths[store] = path
     return rows, lmdb_paths
@@ -259,7 +270,10 @@ def run(size: str, workdir: Path) -> dict:
         "peer_skipped": peer_skipped,
         "notes": [
             "images/s: pack of the whole folder (scan, check or decode/encode, write, sync) with "
-            "pack()'s default workers: 2 for raw/jpeg, none for encoded (files are only checked)",
+            "pack()'s default workers: 2, except none for encoded with check quick (files are "
+            "only checked for their header and end marker)",
+            "check full (default): every stored image is decoded (JPEGs by libjpeg-turbo, strict, "
+            "at 1/8 scale); check quick: header and end marker only (packing before issue 10)",
             "litdata optimize: start_method='fork' (its default, spawn, adds seconds of start-up)"
             "; 'encoded' stores the bytes unchecked, fastloader checks each file",
             "read: samples/s, median over epochs after a warm-up epoch, persistent workers",
@@ -270,6 +284,11 @@ def run(size: str, workdir: Path) -> dict:
 def _ratios(rows: list[dict], read_rows: list[dict]) -> dict[str, float]:
     peer = {row["store"]: row for row in rows if row["tool"] == "litdata"}
     ratios = {}
+    quick = {row["store"]: row for row in rows if row["tool"] == "fastloader (check quick)"}
+    for row in rows:
+        if row["tool"] == "fastloader" and row["format"] == "lmdb" and row["store"] in quick:
+            ratio = row["images_per_s"] / quick[row["store"]]["images_per_s"]
+            ratios[f"pack_lmdb_{row['store']}_check_full_vs_quick"] = round(ratio, 3)
     for row in rows:
         if row["tool"] == "fastloader" and row["store"] in peer:
             ratio = row["images_per_s"] / peer[row["store"]]["images_per_s"]

@@ -33,6 +33,8 @@ _EXPORTS = {
     "read_metadata": "fastloader.formats",
     "resolve_device": "fastloader.device",
     "timed_iter": "fastloader.stats",
+    "verify": "fastloader.formats.verify",
+    "VerifyReport": "fastloader.formats.verify",
 }
 __all__ = [
     "DataLoader",
@@ -52,6 +54,8 @@ __all__ = [
     "read_metadata",
     "resolve_device",
     "timed_iter",
+    "verify",
+    "VerifyReport",
 ]
 __version__ = "0.1.0"
 
@@ -59,6 +63,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from fastloader.device import DevicePrefetcher, move_to_device, pin, resolve_device
     from fastloader.folder import ImageFolder
     from fastloader.formats import HDF5Dataset, LMDBDataset, PackError, open_pack, read_metadata
+    from fastloader.formats.verify import VerifyReport, verify
     from fastloader.loader import DataLoader
     from fastloader.pack import PackSummary, pack
     from fastloader.stats import EpochStats, LoaderStats, timed_iter

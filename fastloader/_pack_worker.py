@@ -18,7 +18,9 @@ from PIL import Image, UnidentifiedImageError
 from fastloader.formats import RecordKind, encode_record
 from fastloader.formats.images import (
     check_image,
+    check_jpeg,
     decode_image,
+    is_jpeg,
     shrunk_size,
     strict_decoding,
     to_rgb,
@@ -31,6 +33,7 @@ class Options:
     quality: int
     max_side: int | None
     short_side: int | None = None
+    check: str = "full"  # see NOTE [ Checking images when packing ]
 
 
 class Encoded(NamedTuple):
@@ -66,9 +69,12 @@ def encode_image(image: Image.Image, label: int, options: Options) -> bytes:
 def _encode_bytes(data: bytes, label: int, options: Options) -> bytes:
     # Bad files are found here: kept as they are, files are checked (check_image), otherwise
     # they are decoded.
+    full = options.check == "full"
     if options.store == "encoded":
-        check_image(data)
+        check_image(data, full)
         return encode_record(data, label, RecordKind.ENCODED)
+    if full and is_jpeg(data):
+        check_jpeg(data)
     image = decode_image(data, options.max_side, options.short_side)
     return encode_image(image, label, options)
 

@@ -6,6 +6,7 @@ import io
 import json
 import multiprocessing
 import pickle
+import sys
 
 import h5py
 import lmdb
@@ -22,6 +23,7 @@ from fastloader.formats import (
     format_from_suffix,
     open_writer,
 )
+from fastloader.formats.metadata import _canonical, array_checksum
 
 FORMATS = {"lmdb": (".lmdb", LMDBDataset), "hdf5": (".h5", HDF5Dataset)}
 CLASSES = ["cat", "dog", "fish"]
@@ -195,28 +197,47 @@ def test_foreign_files_are_refused(tmp_path):
     for path in (foreign_lmdb, foreign_h5):
         with pytest.raises(PackError, match=f"{path.name}: not a complete fastloader pack"):
             open_pack(path)
-    with pytest.raises(PackError, match="notes.lmdb: not a readable LMDB file"):
+    with pytest.raises(PackError, match="notes.lmdb: not a fastloader pack .named as an LMDB"):
         open_pack(text)
+    with pytest.raises(PackError, match="notes.lmdb: not an LMDB file"):
+        LMDBDataset(text)
     with pytest.raises(PackError, match="is a directory"):
         open_pack(tmp_path)
 
 
-def _rewrite_metadata(path, fmt, change) -> None:
+def _rewrite_metadata(path, fmt, change, reseal: bool = True) -> None:
+    """Rewrite a pack's metadata JSON; ``reseal`` recomputes its checksum as a writer would."""
+
+    def changed(raw: bytes) -> bytes:
+        metadata = change(json.loads(raw))
+        if reseal:
+            metadata["checksum"] = array_checksum(_canonical(metadata))
+        return json.dumps(metadata).encode()
+
     if fmt == "lmdb":
         env = lmdb.open(str(path), subdir=False, lock=False)
         with env.begin(write=True) as txn:
-            metadata = json.loads(txn.get(b"__metadata__"))
-            txn.put(b"__metadata__", json.dumps(change(metadata)).encode())
+            txn.put(b"__metadata__", changed(txn.get(b"__metadata__")))
         env.close()
     else:
         with h5py.File(path, "r+") as file:
-            metadata = json.loads(file.attrs["fastloader"])
-            file.attrs["fastloader"] = json.dumps(change(metadata))
+            raw = changed(file["metadata"][()].tobytes())
+            del file["metadata"]
+            file["metadata"] = np.frombuffer(raw, dtype=np.uint8)
 
 
-def test_newer_format_version_is_refused(pack_path, fmt):
-    _rewrite_metadata(pack_path, fmt, lambda m: {**m, "version": 2})
-    with pytest.raises(PackError, match="newer fastloader \\(format version 2"):
+def test_other_format_versions_are_refused(pack_path, fmt):
+    _rewrite_metadata(pack_path, fmt, lambda m: {**m, "version": 3})
+    with pytest.raises(PackError, match="newer fastloader \\(format version 3"):
+        open_pack(pack_path)
+    _rewrite_metadata(pack_path, fmt, lambda m: {**m, "version": 1})
+    with pytest.raises(PackError, match="older fastloader .format version 1.*re-pack it"):
+        open_pack(pack_path)
+
+
+def test_edited_metadata_fails_its_checksum(pack_path, fmt):
+    _rewrite_metadata(pack_path, fmt, lambda m: {**m, "classes": ["cat", "dog", "fisH"]}, False)
+    with pytest.raises(PackError, match="damaged metadata .checksum mismatch"):
         open_pack(pack_path)
 
 
@@ -224,8 +245,14 @@ def test_newer_format_version_is_refused(pack_path, fmt):
     ("change", "problem"),
     [
         (lambda m: {**m, "format": "tfrecord"}, "foreign metadata"),
-        (lambda m: {**m, "count": 13}, "13 records|offsets do not fit"),
+        (lambda m: {**m, "count": 13}, "13 records|offsets do not fit|do not fit the metadata"),
         (lambda m: {**m, "classes": ["cat"]}, "outside the 1 classes"),
+        (lambda m: {**m, "classes": []}, "no classes"),
+        (lambda m: {**m, "classes": ["cat", "cat", "dog"]}, "class names repeat"),
+        (lambda m: {**m, "count": True}, "bad count .True"),
+        (lambda m: {**m, "count": -1}, "bad count .-1"),
+        (lambda m: {**m, "info": [1]}, "info is not an object"),
+        (lambda m: {**m, "checksums": {**m["checksums"], "labels": "0" * 16}}, "damaged labels"),
         (lambda m: {**m, "store": "zip"}, "unknown store mode 'zip'"),
     ],
 )
@@ -242,11 +269,21 @@ def test_corrupt_record_names_the_record(tmp_path):
     with env.begin(write=True) as txn:
         key = (4).to_bytes(8, "big")
         txn.put(key, txn.get(key)[:-10])
+        key = (5).to_bytes(8, "big")
+        record = bytearray(txn.get(key))
+        record[-1] ^= 1
+        txn.put(key, bytes(record))
     env.close()
     dataset = LMDBDataset(path)
     assert dataset[3][1] == 0
-    with pytest.raises(PackError, match="p.lmdb record 4: truncated record"):
+    with pytest.raises(PackError, match="p.lmdb record 4: damaged record .checksum mismatch"):
         dataset[4]
+    with pytest.raises(PackError, match="p.lmdb record 5: damaged record .checksum mismatch: st"):
+        dataset[5]
+    unchecked = LMDBDataset(path, verify_checksums=False)
+    with pytest.raises(PackError, match="p.lmdb record 4: truncated record"):
+        unchecked[4]
+    assert unchecked[5][1] == 2  # read without the check: the flipped pixel goes unnoticed
 
 
 def test_undecodable_stored_image_names_the_record(tmp_path, fmt):
@@ -291,8 +328,10 @@ def test_record_codec_round_trip_and_errors():
         encode_record(b"abc", 0, RecordKind.RAW, shape=(2, 2, 3))
     with pytest.raises(ValueError, match="uint8 HWC"):
         encode_record(pixels.astype(np.float32), 0, RecordKind.RAW)
-    with pytest.raises(PackError, match="not a fastloader record"):
+    with pytest.raises(PackError, match="checksum mismatch"):
         decode_record(b"X" * 40, where="here")
+    with pytest.raises(PackError, match="not a fastloader record"):
+        decode_record(b"X" * 40, where="here", verify=False)
     with pytest.raises(PackError, match="here: truncated record"):
         decode_record(b"FL", where="here")
 
@@ -302,6 +341,48 @@ def test_hdf5_records_are_read_from_a_memory_map(tmp_path):
     _write(path, "hdf5", store="raw")
     dataset = HDF5Dataset(path, decode="numpy")
     np.testing.assert_array_equal(dataset[5][0], _pixels(5))
-    assert isinstance(dataset._handle.records(), np.memmap)  # zero-copy reads, no chunk cache
+    assert isinstance(dataset._handle.maps["records"], np.memmap)  # zero-copy, no chunk cache
     with h5py.File(path) as file:
         assert file["records"].chunks is None
+
+
+def test_a_repacked_path_opens_the_new_file_while_the_old_dataset_lives(tmp_path, fmt):
+    path = tmp_path / f"p{FORMATS[fmt][0]}"
+    _write(path, fmt, count=12)
+    old = FORMATS[fmt][1](path, decode="numpy")
+    np.testing.assert_array_equal(old[0][0], _pixels(0))
+    replacement = tmp_path / f"new{FORMATS[fmt][0]}"  # as pack(overwrite=True) does: rename
+    with open_writer(replacement, fmt, store="raw", classes=CLASSES) as writer:
+        for index in range(5):
+            writer.append(encode_record(_pixels(100 + index), 1, RecordKind.RAW), 1)
+    replacement.replace(path)
+    new = FORMATS[fmt][1](path, decode="numpy")
+    assert len(new) == 5 and new.targets.tolist() == [1] * 5
+    np.testing.assert_array_equal(new[0][0], _pixels(100))
+    np.testing.assert_array_equal(old[3][0], _pixels(3))  # the old one keeps its own file open
+    old.close()  # reopening finds another file at its path: refused, not mixed
+    with pytest.raises(PackError, match="the file changed since this dataset opened it"):
+        old[0]
+
+
+def test_a_damaged_record_read_by_a_worker_raises_pack_error_in_the_loop(tmp_path, fmt):
+    path = tmp_path / f"p{FORMATS[fmt][0]}"
+    _write(path, fmt)
+    data = bytearray(path.read_bytes())
+    at = data.find(_pixels(7).tobytes())
+    data[at + 5] ^= 0xFF
+    path.write_bytes(data)
+    loader = DataLoader(FORMATS[fmt][1](path, decode="numpy"), batch_size=None, num_workers=1)
+    with loader, pytest.raises(PackError, match=f"p{FORMATS[fmt][0]} record 7: damaged record"):
+        list(loader)
+
+
+def test_lmdb_maps_no_more_than_the_file(tmp_path):
+    path = tmp_path / "p.lmdb"
+    _write(path, "lmdb")  # written with a 1 TiB map size in its meta page
+    dataset = LMDBDataset(path)
+    dataset[0]
+    handle = dataset._handle
+    assert handle.env.info()["map_size"] <= path.stat().st_size
+    if sys.platform.startswith("linux"):  # values are checked against the mapping itself
+        assert handle.start is not None

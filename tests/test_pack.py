@@ -209,7 +209,7 @@ def test_bad_files_are_skipped_counted_and_listed(bad_folder, tmp_path):
     assert "not an image" in reasons["text.jpg"]
     assert "truncated" in reasons["truncated.jpg"]
     text = str(summary)
-    assert "skipped 3" in text and "truncated.jpg: image file is truncated" in text
+    assert "skipped 3" in text and "truncated.jpg: damaged or truncated JPEG data" in text
     assert open_pack(tmp_path / "out.lmdb").targets.tolist() == [0, 0, 0, 1, 1, 1]
 
 
@@ -309,10 +309,10 @@ def test_a_failure_mid_run_leaves_no_file_and_keeps_the_old_one(
     suffix = ".lmdb" if writer is LMDBWriter else ".h5"
     original = writer.append
 
-    def append(self, record, label):
+    def append(self, record, label, source=None):
         if self.count == 3:
             raise RuntimeError("disk on fire")
-        original(self, record, label)
+        original(self, record, label, source)
 
     monkeypatch.setattr(writer, "append", append)
     with pytest.raises(RuntimeError, match="disk on fire"):

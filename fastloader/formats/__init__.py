@@ -7,8 +7,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fastloader.formats.base import DECODE_MODES, PackedDataset, PackWriter, decode_image
+from fastloader.formats.base import (
+    DECODE_MODES,
+    PackedDataset,
+    PackWriter,
+    check_file,
+    decode_image,
+)
 from fastloader.formats.hdf5 import HDF5Dataset, HDF5Writer
+from fastloader.formats.images import CHECKS
 from fastloader.formats.lmdb import LMDBDataset, LMDBWriter
 from fastloader.formats.records import (
     FORMAT_VERSION,
@@ -20,7 +27,11 @@ from fastloader.formats.records import (
     encode_record,
 )
 
+_LMDB_MAGIC = (0xBEEFC0DE).to_bytes(4, "little")
+_LMDB_MAGIC_OFFSET = 16  # after the 16-byte page header of the first meta page
+
 __all__ = [
+    "CHECKS",
     "DECODE_MODES",
     "FORMAT_VERSION",
     "FORMATS",
@@ -41,6 +52,7 @@ __all__ = [
     "open_pack",
     "open_writer",
     "read_metadata",
+    "sniff_format",
 ]
 
 FORMATS = {"lmdb": (LMDBDataset, LMDBWriter), "hdf5": (HDF5Dataset, HDF5Writer)}
@@ -92,16 +104,46 @@ def open_pack(path: str | os.PathLike, **kwargs: Any) -> LMDBDataset | HDF5Datas
         PackError: if it is not a complete, readable fastloader pack.
     """
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such packed file")
-    if path.is_dir():
-        raise PackError(f"{path}: is a directory, not a packed file")
+    check_file(path)
+    return FORMATS[sniff_format(path)][0](path, **kwargs)
+
+
+def sniff_format(path: Path) -> str:
+    """Return "hdf5" or "lmdb" from the first bytes of the file at ``path``.
+
+    Raises:
+        PackError: naming the file, when it starts as neither (saying which its name suggests).
+    """
     with open(path, "rb") as file:
-        is_hdf5 = file.read(len(_HDF5_SIGNATURE)) == _HDF5_SIGNATURE
-    return (HDF5Dataset if is_hdf5 else LMDBDataset)(path, **kwargs)
+        start = file.read(_LMDB_MAGIC_OFFSET + len(_LMDB_MAGIC))
+    if start.startswith(_HDF5_SIGNATURE):
+        return "hdf5"
+    if start[_LMDB_MAGIC_OFFSET:] == _LMDB_MAGIC:
+        return "lmdb"
+    expected = _SUFFIXES.get(path.suffix.lower())
+    named = {"hdf5": "an HDF5 file", "lmdb": "an LMDB file"}
+    hint = (
+        f"named as {named[expected]} but it does not start like one: the start of the file "
+        f"is damaged, or it is another kind of file"
+        if expected
+        else "it starts as neither an HDF5 nor an LMDB file"
+    )
+    raise PackError(f"{path}: not a fastloader pack ({hint})")
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
-    """Return the checked metadata of the pack at ``path`` (see ``open_pack`` for errors)."""
+    """Return the checked metadata of the pack at ``path`` (see ``open_pack`` for errors).
+
+    The result also says whether the pack records each sample's source path
+    (``"sources"``: True, read one by one with ``dataset.source_path(i)``), and has the file's
+    ``"size_bytes"``.
+    """
     dataset = open_pack(path)
-    return dict(dataset.metadata)
+    try:
+        metadata = dict(dataset.metadata)
+        metadata["size_bytes"] = os.path.getsize(dataset.path)
+        if metadata["sources"] and len(dataset):
+            metadata["first_source"] = dataset.source_path(0)
+        return metadata
+    finally:
+        dataset.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,14 +20,8 @@ from torch.utils.data import Dataset
 
 from fastloader.decoding import fuse
 from fastloader.formats.images import to_rgb
-from fastloader.formats.records import (
-    PackError,
-    Record,
-    RecordKind,
-    decode_record,
-    dump_metadata,
-    make_metadata,
-)
+from fastloader.formats.metadata import array_checksum, dump_metadata, make_metadata
+from fastloader.formats.records import PackError, Record, RecordKind, decode_record
 
 DECODE_MODES = ("pil", "tensor", "numpy", "bytes")
 
@@ -37,7 +32,30 @@ DECODE_MODES = ("pil", "tensor", "numpy", "bytes")
 # pickled: it opens its file on first read in the process that reads, remembers that process's
 # pid, and opens a new handle when it finds itself in a different process (a fork). The handle is
 # never part of the pickled state, so spawn and forkserver workers open their own too. (LMDB
-# needs one more step: see _Environments in lmdb.py.)
+# needs one more step: see _Environments in lmdb.py.) A reopened file must still be the file the
+# dataset was created over: a pack re-packed in place since (`--overwrite`) is refused, naming it,
+# rather than read with the old labels and length.
+
+
+def file_identity(path: Path) -> tuple[int, int, int, int]:
+    """What tells one file from another at the same path: device, inode, size, mtime."""
+    stat = os.stat(path)
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+def check_file(path: Path) -> None:
+    """Refuse, naming the file, what cannot be a pack before any backend reads it.
+
+    Raises:
+        FileNotFoundError: if ``path`` does not exist.
+        PackError: for a folder or an empty file.
+    """
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such packed file")
+    if path.is_dir():
+        raise PackError(f"{path}: is a directory, not a packed file")
+    if path.stat().st_size == 0:
+        raise PackError(f"{path}: empty file (0 bytes), not a pack: an interrupted copy?")
 
 
 class PackedDataset(Dataset):
@@ -54,6 +72,8 @@ class PackedDataset(Dataset):
         transform: Callable | None = None,
         target_transform: Callable | None = None,
         decode: str = "pil",
+        *,
+        verify_checksums: bool = True,
     ) -> None:
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
@@ -61,12 +81,11 @@ class PackedDataset(Dataset):
         self.transform = transform
         self.target_transform = target_transform
         self.decode = decode
-        if not self.path.exists():
-            raise FileNotFoundError(f"{self.path}: no such packed file")
-        if self.path.is_dir():
-            raise PackError(f"{self.path}: is a directory, not a packed file")
+        self.verify_checksums = verify_checksums
+        check_file(self.path)
         self._handle: Any = None
         self._pid: int | None = None
+        self._identity = file_identity(self.path)
         handle = self._open()
         try:
             self.metadata, self.targets = self._load_index(handle)
@@ -87,6 +106,10 @@ class PackedDataset(Dataset):
 
     def _read_each(self, handle: Any, indices: Sequence[int], use: Callable) -> list:
         """Return ``[use(i, buffer) for i in indices]``, in order, in one read transaction."""
+        raise NotImplementedError
+
+    def _read_source(self, handle: Any, position: int) -> bytes:
+        """Return the UTF-8 source path of record ``position`` (the pack records sources)."""
         raise NotImplementedError
 
     def _close_handle(self, handle: Any) -> None:
@@ -162,6 +185,25 @@ class PackedDataset(Dataset):
 
         return self._read_each(self._handle_here(), [self._position(index)], copy)[0]
 
+    def source_path(self, index: int) -> str | None:
+        """The path, relative to the packed folder, of the file sample ``index`` came from.
+
+        Read from the file on demand (no list of paths is kept in memory). ``None`` for a pack
+        made from a dataset, which has no files.
+
+        Raises:
+            IndexError: for an index out of range.
+            PackError: if the stored paths are damaged.
+        """
+        position = self._position(index)
+        if not self.metadata["sources"]:
+            return None
+        raw = self._read_source(self._handle_here(), position)
+        try:
+            return raw.decode("utf-8", "surrogateescape")
+        except UnicodeDecodeError:  # pragma: no cover - surrogateescape decodes any bytes
+            raise PackError(f"{self.path}: damaged source path of record {position}") from None
+
     def close(self) -> None:
         """Close the file in this process (it reopens on the next read)."""
         if self._handle is not None and self._pid == os.getpid():
@@ -191,6 +233,12 @@ class PackedDataset(Dataset):
     def _handle_here(self) -> Any:
         pid = os.getpid()
         if self._handle is None or self._pid != pid:
+            check_file(self.path)
+            if file_identity(self.path) != self._identity:
+                raise PackError(
+                    f"{self.path}: the file changed since this dataset opened it (re-packed or "
+                    f"replaced): create the dataset again"
+                )
             self._handle = self._open()
             self._pid = pid
         return self._handle
@@ -208,10 +256,14 @@ class PackedDataset(Dataset):
 
     def _record(self, position: int, buffer: Any) -> Record:
         if buffer is None:
-            raise PackError(f"{self.path}: record {position} is missing (corrupt pack)")
-        record = decode_record(buffer, where=f"{self.path} record {position}")
+            raise PackError(f"{self.path} record {position}: missing (corrupt pack)")
+        record = decode_record(
+            buffer, where=f"{self.path} record {position}", verify=self.verify_checksums
+        )
         if record.label != self.targets[position]:
-            raise PackError(f"{self.path}: record {position} disagrees with the label index")
+            raise PackError(
+                f"{self.path} record {position}: its label differs from the label index"
+            )
         return record
 
     def _decoded(self, position: int, buffer: Any) -> tuple[Any, int]:
@@ -277,7 +329,8 @@ class PackWriter:
 
     The ``store``, ``classes`` and ``info`` attributes are read when ``close()`` writes the
     metadata, so a caller can still add what it learns while writing (such as a skipped count).
-    Subclasses implement ``_open``, ``append``, ``close`` and ``abort``.
+    Subclasses implement ``_open``, ``_put``, ``close`` and ``abort``; the labels and source
+    paths are kept here, as the arrays ``close()`` stores (see ``arrays``).
 
     Raises:
         FileExistsError: if ``path`` exists.
@@ -302,22 +355,64 @@ class PackWriter:
         self.info = dict(info or {})
         self.count = 0  # records appended so far
         self.bytes_written = 0
-        self.metadata_json()  # fail before writing anything if the metadata cannot be stored
+        self._labels = array("q")
+        self._sources = bytearray()
+        self._source_offsets = array("q", [0])
+        self._with_sources: bool | None = None  # decided by the first append
+        self.metadata_json({})  # fail before writing anything if the metadata cannot be stored
         self._open()
 
     def _open(self) -> None:
         """Create the file at ``path`` and whatever writing needs."""
         raise NotImplementedError
 
-    def metadata_json(self) -> bytes:
-        """The metadata, as JSON, of the records appended so far."""
-        return dump_metadata(
-            make_metadata(self.backend, self.store, self.count, self.classes, self.info)
-        )
-
-    def append(self, record: bytes, label: int) -> None:
-        """Add the next record (index ``count``) with its label."""
+    def _put(self, record: bytes) -> None:
+        """Store the next record (index ``count``)."""
         raise NotImplementedError
+
+    def append(self, record: bytes, label: int, source: str | None = None) -> None:
+        """Add the next record (index ``count``) with its label and, optionally, the path of
+        the file it came from (every record has one, or none has).
+
+        Raises:
+            ValueError: if some records have a source path and others not.
+        """
+        if self._with_sources is None:
+            self._with_sources = source is not None
+        elif self._with_sources != (source is not None):
+            raise ValueError("either every record has a source path or none has")
+        self._put(record)
+        self._labels.append(int(label))
+        if source is not None:
+            self._sources += source.encode("utf-8", "surrogateescape")
+            self._source_offsets.append(len(self._sources))
+        self.count += 1
+        self.bytes_written += len(record)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The arrays stored beside the records: labels, and source paths when recorded."""
+        arrays = {"labels": np.frombuffer(self._labels, dtype=np.int64).astype("<i8")}
+        if self._with_sources:
+            arrays["sources"] = np.frombuffer(bytes(self._sources), dtype=np.uint8)
+            arrays["source_offsets"] = np.frombuffer(self._source_offsets, dtype=np.int64).astype(
+                "<i8"
+            )
+        return arrays
+
+    def metadata_json(self, arrays: dict[str, np.ndarray]) -> bytes:
+        """The metadata, as JSON, of the records appended so far and of ``arrays``."""
+        checksums = {name: array_checksum(data) for name, data in arrays.items()}
+        return dump_metadata(
+            make_metadata(
+                self.backend,
+                self.store,
+                self.count,
+                self.classes,
+                self.info,
+                checksums,
+                bool(self._with_sources),
+            )
+        )
 
     def close(self) -> None:
         """Write what is left and the metadata, last: the pack is then complete."""

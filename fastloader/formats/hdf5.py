@@ -1,8 +1,9 @@
 """HDF5 packs: every record back to back in one uint8 dataset, located by an offsets array.
 
-Datasets: ``records`` (uint8, contiguous), ``offsets`` (int64, count + 1), ``targets`` (int64);
-the JSON metadata is the file attribute ``fastloader``, written last, so a file without it is an
-interrupted run (see records.load_metadata).
+Datasets, all contiguous, unfiltered, in the file itself: ``records`` (uint8), ``offsets``
+(int64, count + 1), ``targets`` (int64 labels), with source paths ``sources`` (uint8, UTF-8
+back to back) and ``source_offsets`` (int64, count + 1), and ``metadata`` (uint8, the JSON),
+written last, so a file without it is an interrupted run (see metadata.load_metadata).
 
 NOTE [ Contiguous HDF5 records ]
 A random read of a chunked dataset goes through HDF5's chunk index and cache and copies whole
@@ -10,6 +11,15 @@ chunks; on a pack of a few hundred MB that halved read throughput. So ``records`
 contiguous block: the writer spools records to an anonymous temporary file and writes the block
 once, at close, when its size is known. Readers then memory-map the block at the offset HDF5
 reports and read records as zero-copy slices, as LMDB readers do.
+
+NOTE [ Only the HDF5 layout we write ]
+HDF5 can make a dataset's bytes come from anywhere: another file (external storage), other
+datasets (virtual datasets), or a filter pipeline that inflates a few KB of gzip into GBs. A pack
+from anyone must not read outside itself or allocate more than its size, so a reader accepts
+only what the writer makes: the datasets above and nothing else, each a hard link, contiguous,
+without filters or external files, of the exact dtype and shape, whose bytes lie inside the
+file. Everything is then read through our own memory map of those byte ranges, never through
+HDF5's read path.
 """
 
 from __future__ import annotations
@@ -24,14 +34,100 @@ import h5py
 import numpy as np
 
 from fastloader.formats.base import PackedDataset, PackWriter
-from fastloader.formats.records import (
-    PackError,
-    check_targets,
-    load_metadata,
-)
+from fastloader.formats.metadata import check_array, check_targets, load_metadata
+from fastloader.formats.records import PackError
 
-_METADATA_ATTR = "fastloader"
 _COPY_BYTES = 64 << 20
+_UINT8, _INT64 = np.dtype("uint8"), np.dtype("<i8")
+_REQUIRED = {"records": _UINT8, "offsets": _INT64, "targets": _INT64, "metadata": _UINT8}
+_SOURCES = {"sources": _UINT8, "source_offsets": _INT64}
+
+
+class _Handle:
+    """An open pack: the HDF5 file and memory maps of its checked datasets."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.size = os.path.getsize(path)
+        try:
+            self.file = h5py.File(path, "r")
+        except Exception as error:  # noqa: BLE001 - a hostile file may make h5py raise anything
+            raise PackError(f"{path}: not a readable HDF5 file ({_short(error)})") from None
+        try:
+            self.maps = self._checked_maps()
+        except PackError:
+            self.file.close()
+            raise
+        except Exception as error:  # noqa: BLE001 - h5py on a damaged file: anything
+            self.file.close()
+            raise PackError(f"{path}: damaged HDF5 file ({_short(error)})") from None
+        except BaseException:
+            self.file.close()
+            raise
+
+    def _checked_maps(self) -> dict[str, np.ndarray]:
+        """Check every dataset (NOTE [ Only the HDF5 layout we write ]) and map its bytes."""
+        path = self.path
+        try:
+            names = set(self.file.keys())
+        except Exception as error:  # noqa: BLE001
+            raise PackError(f"{path}: damaged HDF5 file ({_short(error)})") from None
+        if "metadata" not in names:
+            raise PackError(
+                f"{path}: not a complete fastloader pack (no metadata: an interrupted "
+                f"fastloader-pack run, or an hdf5 file written by something else)"
+            )
+        expected = dict(_REQUIRED)
+        if names & set(_SOURCES):
+            expected.update(_SOURCES)
+        if names != set(expected):
+            strange = sorted(str(name) for name in names ^ set(expected))  # names may be bytes
+            raise PackError(f"{path}: not a fastloader pack (unexpected datasets {strange})")
+        return {name: self._map(name, dtype) for name, dtype in expected.items()}
+
+    def _map(self, name: str, dtype: np.dtype) -> np.ndarray:
+        path = self.path
+        try:
+            link = self.file.get(name, getlink=True)
+            if not isinstance(link, h5py.HardLink):
+                raise PackError(f"{path}: not a fastloader pack ({name} is a link elsewhere)")
+            dataset = self.file[name]
+            if not isinstance(dataset, h5py.Dataset):
+                raise PackError(f"{path}: not a fastloader pack ({name} is not a dataset)")
+            plist = dataset.id.get_create_plist()
+            layout, filters = plist.get_layout(), plist.get_nfilters()
+            external = plist.get_external_count()
+            shape, stored_dtype = dataset.shape, dataset.dtype
+            offset = dataset.id.get_offset()
+            storage = dataset.id.get_storage_size()
+        except PackError:
+            raise
+        except Exception as error:  # noqa: BLE001
+            raise PackError(f"{path}: damaged HDF5 file at {name} ({_short(error)})") from None
+        if layout != h5py.h5d.CONTIGUOUS or filters or external:
+            raise PackError(
+                f"{path}: not a fastloader pack ({name} is not stored contiguously in the file: "
+                f"chunked, filtered, external or virtual storage is refused)"
+            )
+        if stored_dtype != dtype or shape is None or len(shape) != 1:
+            raise PackError(f"{path}: not a fastloader pack ({name} is {stored_dtype} {shape})")
+        nbytes = shape[0] * dtype.itemsize
+        if nbytes == 0:
+            return np.zeros(0, dtype)
+        if offset is None or storage != nbytes or offset + nbytes > self.size:
+            raise PackError(
+                f"{path}: truncated or damaged HDF5 file ({name} declares {nbytes} bytes at "
+                f"offset {offset}; the file has {self.size})"
+            )
+        return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
+
+    def close(self) -> None:
+        self.maps = {}
+        self.file.close()
+
+
+def _short(error: BaseException) -> str:
+    return " ".join(str(error).split())[:200] or type(error).__name__
 
 
 class HDF5Dataset(PackedDataset):
@@ -43,80 +139,55 @@ class HDF5Dataset(PackedDataset):
         target_transform: applied to each label.
         decode: "pil" (RGB image, default), "tensor" (uint8 CHW), "numpy" (uint8 HWC), or
             "bytes" (the stored payload).
+        verify_checksums: check each record's checksum as it is read (default True).
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
-        PackError: if it is truncated, not a fastloader HDF5 pack, unfinished, or from a newer
-            fastloader.
+        PackError: if it is empty, truncated, damaged, not a fastloader HDF5 pack (or not laid
+            out as fastloader writes them), unfinished, or from another format version.
         ValueError: for an unknown ``decode``.
     """
 
     backend = "hdf5"
 
     def _open(self) -> _Handle:
-        try:
-            file = h5py.File(self.path, "r")
-        except OSError as error:
-            raise PackError(f"{self.path}: not a readable HDF5 file ({error})") from None
-        return _Handle(file, self.path)
+        return _Handle(self.path)
 
     def _close_handle(self, handle: _Handle) -> None:
         handle.close()
 
     def _load_index(self, handle: _Handle) -> tuple[dict, np.ndarray]:
-        raw = handle.file.attrs.get(_METADATA_ATTR)
-        metadata = load_metadata(raw, self.path, self.backend)
-        try:
-            targets = handle.file["targets"][()].astype(np.int64)
-            offsets = handle.file["offsets"][()].astype(np.int64)
-            stored = handle.file["records"].shape[0]
-        except (KeyError, OSError, TypeError, AttributeError) as error:
-            raise PackError(f"{self.path}: corrupt pack ({error})") from None
-        if (
-            len(offsets) != metadata["count"] + 1
-            or offsets[0] != 0
-            or offsets[-1] != stored
-            or np.any(np.diff(offsets) < 0)
-        ):
+        maps = handle.maps
+        metadata = load_metadata(maps["metadata"].tobytes(), self.path, self.backend)
+        count = metadata["count"]
+        if len(maps["offsets"]) != count + 1 or ("sources" in maps) != metadata["sources"]:
+            raise PackError(f"{self.path}: corrupt pack (the datasets do not fit the metadata)")
+        offsets = np.array(maps["offsets"])
+        check_array(offsets, "offsets", metadata, self.path)
+        if offsets[0] != 0 or offsets[-1] != len(maps["records"]) or np.any(np.diff(offsets) < 0):
             raise PackError(f"{self.path}: corrupt pack (record offsets do not fit the data)")
+        if metadata["sources"]:
+            bounds = maps["source_offsets"]
+            if len(bounds) != count + 1:
+                raise PackError(f"{self.path}: corrupt pack (source path offsets do not fit)")
+            check_array(bounds, "source_offsets", metadata, self.path)
+            check_array(maps["sources"], "sources", metadata, self.path)
+            if bounds[0] != 0 or bounds[-1] != len(maps["sources"]) or np.any(np.diff(bounds) < 0):
+                raise PackError(f"{self.path}: corrupt pack (source path offsets do not fit)")
         self._offsets = offsets
-        return metadata, check_targets(targets, metadata, self.path)
+        return metadata, check_targets(np.array(maps["targets"]), metadata, self.path)
+
+    def _read_source(self, handle: _Handle, position: int) -> bytes:
+        bounds = handle.maps["source_offsets"]
+        start, end = int(bounds[position]), int(bounds[position + 1])
+        if not 0 <= start <= end <= len(handle.maps["sources"]):
+            raise PackError(f"{self.path}: damaged source path of record {position}")
+        return handle.maps["sources"][start:end].tobytes()
 
     def _read_each(self, handle: _Handle, indices: Sequence[int], use: Callable) -> list:
-        records = handle.records()
+        records = handle.maps["records"]
         offsets = self._offsets
-        samples = []
-        for index in indices:
-            try:
-                buffer = records[offsets[index] : offsets[index + 1]]
-            except OSError as error:  # a damaged chunk (only when not memory-mapped)
-                raise PackError(f"{self.path}: record {index} cannot be read ({error})") from None
-            samples.append(use(index, buffer))
-        return samples
-
-
-class _Handle:
-    """An open pack: the HDF5 file, and its records block memory-mapped when contiguous."""
-
-    def __init__(self, file: h5py.File, path: Path) -> None:
-        self.file = file
-        self._mapped: np.ndarray | None = None
-        records = file.get("records")
-        offset = records.id.get_offset() if isinstance(records, h5py.Dataset) else None
-        if offset is None or records.dtype != np.uint8 or records.ndim != 1:
-            return  # empty, chunked or foreign: read through h5py (see _load_index's checks)
-        end = offset + records.shape[0]
-        if os.path.getsize(path) < end:  # mapping past the end would crash with SIGBUS
-            file.close()
-            raise PackError(f"{path}: truncated HDF5 file ({os.path.getsize(path)} of {end} bytes)")
-        self._mapped = np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=records.shape)
-
-    def records(self) -> np.ndarray | h5py.Dataset:
-        return self._mapped if self._mapped is not None else self.file["records"]
-
-    def close(self) -> None:
-        self._mapped = None
-        self.file.close()
+        return [use(index, records[offsets[index] : offsets[index + 1]]) for index in indices]
 
 
 class HDF5Writer(PackWriter):
@@ -132,17 +203,13 @@ class HDF5Writer(PackWriter):
         # Records are spooled here until close(): see NOTE [ Contiguous HDF5 records ].
         self._spool = tempfile.TemporaryFile(dir=self.path.parent, prefix=f".{self.path.name}.")
         self._offsets = array("q", [0])
-        self._labels = array("q")
 
-    def append(self, record: bytes, label: int) -> None:
+    def _put(self, record: bytes) -> None:
         self._spool.write(record)
-        self.bytes_written += len(record)
-        self._offsets.append(self.bytes_written)
-        self._labels.append(int(label))
-        self.count += 1
+        self._offsets.append(self._offsets[-1] + len(record))
 
     def close(self) -> None:
-        """Write the records block, offsets, labels and metadata, then close: now complete."""
+        """Write the records block, offsets, labels, sources and metadata: now complete."""
         records = self._file.create_dataset("records", shape=(self.bytes_written,), dtype=np.uint8)
         self._spool.seek(0)
         start = 0
@@ -150,9 +217,13 @@ class HDF5Writer(PackWriter):
             records[start : start + len(block)] = np.frombuffer(block, dtype=np.uint8)
             start += len(block)
         self._spool.close()
-        self._file.create_dataset("offsets", data=np.frombuffer(self._offsets, dtype=np.int64))
-        self._file.create_dataset("targets", data=np.frombuffer(self._labels, dtype=np.int64))
-        self._file.attrs[_METADATA_ATTR] = self.metadata_json().decode()
+        arrays = self.arrays()
+        arrays["offsets"] = np.frombuffer(self._offsets, dtype=np.int64).astype("<i8")
+        names = {"labels": "targets"}
+        for name, data in arrays.items():
+            self._file.create_dataset(names.get(name, name), data=data)
+        metadata = np.frombuffer(self.metadata_json(arrays), dtype=np.uint8)
+        self._file.create_dataset("metadata", data=metadata)
         self._file.close()
 
     def abort(self) -> None:

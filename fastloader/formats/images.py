@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Iterator
 
 import numpy as np
+import simplejpeg
 from PIL import Image, ImageFile
 
 _SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
@@ -71,16 +72,52 @@ def decode_image(
 _END_MARKERS = {"JPEG": b"\xff\xd9", "PNG": b"IEND\xaeB`\x82"}
 
 
-def check_image(data: bytes) -> None:
-    """Raise unless ``data`` is a complete image file Pillow can read.
+# NOTE [ Checking images when packing ]
+# A damaged JPEG often decodes without an error: libjpeg reports "corrupt data" as a warning,
+# fills in what it can, and Pillow ignores warnings, so a file damaged in its middle would be
+# packed and train as garbage (or fail hours later). check="full" (the default) decodes every
+# JPEG with libjpeg-turbo through simplejpeg with strict=True, which turns those warnings into
+# errors, at the smallest DCT scale (1/8: every entropy-coded byte is still decoded, at about
+# the cost of reading the file); other formats are decoded in full by Pillow. check="quick"
+# only parses the header and looks for the end marker: it finds truncated files, not damage
+# inside them.
+CHECKS = ("full", "quick")
 
-    A JPEG or PNG whose header parses and which ends with its end marker is accepted without
-    decoding (a truncated file has lost its end marker); anything else is decoded, a JPEG at its
-    smallest scale (see ``decode_image``).
+
+def check_jpeg(data: bytes) -> None:
+    """Raise OSError if libjpeg finds anything wrong in a JPEG (NOTE [ Checking images ... ])."""
+    try:
+        _, _, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+        space = {"CMYK": "CMYK", "YCCK": "CMYK", "Gray": "GRAY"}.get(colorspace, "RGB")
+        simplejpeg.decode_jpeg(data, colorspace=space, min_factor=8, strict=True)
+    except (ValueError, RuntimeError) as error:
+        reason = " ".join(str(error).split())
+        raise OSError(f"damaged or truncated JPEG data (libjpeg: {reason})") from None
+
+
+def is_jpeg(data: bytes) -> bool:
+    """Whether ``data`` starts like a JPEG file (SOI marker)."""
+    return data[:3] == b"\xff\xd8\xff"
+
+
+def check_image(data: bytes, full: bool = True) -> None:
+    """Raise unless ``data`` is a complete, undamaged image file Pillow can read.
+
+    Args:
+        data: the file's bytes.
+        full: decode every byte (see NOTE [ Checking images when packing ]); False accepts a
+            JPEG or PNG whose header parses and which ends with its end marker without decoding
+            it (a truncated file has lost its end marker; damage inside is not found).
 
     Raises:
-        PIL.UnidentifiedImageError, OSError: as ``decode_image``.
+        PIL.UnidentifiedImageError, OSError: as ``decode_image``, or for damaged JPEG data.
     """
+    if full and is_jpeg(data):
+        check_jpeg(data)
+        return
+    if full:
+        decode_image(data)
+        return
     with strict_decoding():
         image = Image.open(io.BytesIO(data))
     marker = _END_MARKERS.get(image.format or "")

@@ -1,29 +1,31 @@
 """LMDB packs: one file (no lock file), a record per sample under its 8-byte big-endian index.
 
-Keys: ``>Q`` index -> record; ``__targets__`` -> int64 labels; ``__metadata__`` -> JSON, written
-last, so a file without it is an interrupted run (see records.load_metadata).
+Keys: ``>Q`` index -> record; ``__targets__`` -> int64 labels; with source paths,
+``__sources__`` -> their UTF-8 bytes back to back and ``__source_offsets__`` -> int64 offsets
+(count + 1); ``__metadata__`` -> JSON, written last, so a file without it is an interrupted run
+(see metadata.load_metadata).
 """
 
 from __future__ import annotations
 
 import os
 import struct
-from array import array
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import lmdb
 import numpy as np
 
-from fastloader.formats.base import PackedDataset, PackWriter
-from fastloader.formats.records import (
-    PackError,
-    check_targets,
-    load_metadata,
-)
+from fastloader.formats.base import PackedDataset, PackWriter, file_identity
+from fastloader.formats.lmdb_checks import check_lmdb_file, mapping_start
+from fastloader.formats.metadata import check_array, check_targets, load_metadata
+from fastloader.formats.records import PackError
 
 _METADATA_KEY = b"__metadata__"
 _TARGETS_KEY = b"__targets__"
+_SOURCES_KEY = b"__sources__"
+_SOURCE_OFFSETS_KEY = b"__source_offsets__"
 _KEY = struct.Struct(">Q")
 _MAP_SIZE = 1 << 40  # address space only: the file grows as pages are written
 _COMMIT_BYTES = 64 << 20
@@ -33,44 +35,73 @@ def _key(index: int) -> bytes:
     return _KEY.pack(index)
 
 
+class _Env(NamedTuple):
+    """An open environment, the file it maps, and where the mapping starts (None: unknown)."""
+
+    env: lmdb.Environment
+    identity: tuple[int, int, int, int]
+    start: int | None
+    size: int
+
+
+# NOTE [ LMDB values checked against the file ]
+# LMDB trusts the file: a value's page number and size come from the leaf node as stored, and
+# are handed back as a view into the memory map without a check. py-lmdb's default map is
+# 10 MiB (or the size the meta page declares, up to 1 TiB for our writer), larger than a small
+# pack: a damaged size or overflow-page number then gives a view that runs past the end of the
+# file but inside the mapping, and touching it kills the process with SIGBUS (what the fuzzing
+# of issue 10 found; in a DataLoader worker torch reports it as "out of shared memory"). Three
+# steps close that class:
+# 1. before LMDB opens a file, its two meta pages are parsed and checked (lmdb_checks.py): page
+#    size, last page and root page against the file size, so every page LMDB walks to is in it;
+# 2. the map is only as large as the file (map_size = file size; LMDB raises it only to its
+#    last page, already checked to be inside the file);
+# 3. every value LMDB returns is checked to lie inside [mapping start, start + file size)
+#    before anything reads it (the start comes from /proc/self/maps; elsewhere only the length
+#    is checked against the file size).
+
+
 class _Environments:
     """Read-only environments shared by the datasets of one process, counted by users.
 
     py-lmdb refuses to open one file twice in a process, so two datasets over the same pack (a
-    dataset and its copy, train and a subset) share one environment. An entry inherited through
-    a fork is never used in the child; it is closed there, which only unmaps the child's copy
-    (a read-only environment without a lock file has nothing else to release), so that py-lmdb
-    lets the child open the file again.
+    dataset and its copy, train and a subset) share one environment, but only while it is the
+    same file: entries are keyed by (device, inode, size, mtime), so a pack re-packed at the
+    same path opens the new file while datasets over the old one keep theirs. An entry
+    inherited through a fork is never used in the child; it is closed there, which only unmaps
+    the child's copy (a read-only environment without a lock file has nothing else to release),
+    so that py-lmdb lets the child open the file again.
     """
 
     def __init__(self) -> None:
-        self._open: dict[str, tuple[int, lmdb.Environment, int]] = {}
+        self._open: dict[tuple[int, int, int, int], tuple[int, _Env, int]] = {}
 
-    def acquire(self, path: Path) -> lmdb.Environment:
-        key, pid = os.path.realpath(path), os.getpid()
-        entry = self._open.get(key)
+    def acquire(self, path: Path) -> _Env:
+        identity, pid = file_identity(path), os.getpid()
+        entry = self._open.get(identity)
         if entry is not None and entry[0] == pid:
-            self._open[key] = (pid, entry[1], entry[2] + 1)
+            self._open[identity] = (pid, entry[1], entry[2] + 1)
             return entry[1]
         if entry is not None:
-            entry[1].close()
-        env = _open_environment(path)
-        self._open[key] = (pid, env, 1)
-        return env
+            entry[1].env.close()
+        handle = _open_environment(path, identity)
+        self._open[identity] = (pid, handle, 1)
+        return handle
 
-    def release(self, path: Path) -> None:
-        key = os.path.realpath(path)
-        entry = self._open.get(key)
-        if entry is None or entry[0] != os.getpid():
+    def release(self, handle: _Env) -> None:
+        entry = self._open.get(handle.identity)
+        if entry is None or entry[0] != os.getpid() or entry[1] is not handle:
             return
         if entry[2] > 1:
-            self._open[key] = (entry[0], entry[1], entry[2] - 1)
+            self._open[handle.identity] = (entry[0], entry[1], entry[2] - 1)
         else:
-            del self._open[key]
-            entry[1].close()
+            del self._open[handle.identity]
+            handle.env.close()
 
 
-def _open_environment(path: Path) -> lmdb.Environment:
+def _open_environment(path: Path, identity: tuple[int, int, int, int]) -> _Env:
+    size = identity[2]
+    check_lmdb_file(path, size)  # NOTE [ LMDB values checked against the file ], step 1
     try:
         env = lmdb.open(
             str(path),
@@ -80,17 +111,24 @@ def _open_environment(path: Path) -> lmdb.Environment:
             readahead=False,
             meminit=False,
             max_readers=2048,
+            map_size=size,  # step 2
         )
     except lmdb.Error as error:
         raise PackError(f"{path}: not a readable LMDB file ({error})") from None
-    # A truncated file maps fewer pages than LMDB will touch: reading them would crash the
-    # process with SIGBUS, so refuse it here.
-    needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-    size = os.path.getsize(path)
-    if size < needed:
+    try:
+        needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+        if size < needed or env.info()["map_size"] > max(size, needed):
+            raise PackError(f"{path}: truncated LMDB file ({size} of {needed} bytes)")
+        if file_identity(path) != identity:
+            raise PackError(f"{path}: the file changed while it was being opened")
+        start = mapping_start(path, identity, env.info()["map_size"])
+    except lmdb.Error as error:
         env.close()
-        raise PackError(f"{path}: truncated LMDB file ({size} of {needed} bytes)")
-    return env
+        raise PackError(f"{path}: damaged LMDB file ({error})") from None
+    except BaseException:
+        env.close()
+        raise
+    return _Env(env, identity, start, size)
 
 
 _environments = _Environments()
@@ -105,35 +143,101 @@ class LMDBDataset(PackedDataset):
         target_transform: applied to each label.
         decode: "pil" (RGB image, default), "tensor" (uint8 CHW), "numpy" (uint8 HWC), or
             "bytes" (the stored payload).
+        verify_checksums: check each record's checksum as it is read (default True).
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
-        PackError: if it is truncated, not a fastloader LMDB pack, unfinished, or from a newer
-            fastloader.
+        PackError: if it is empty, truncated, damaged, not a fastloader LMDB pack, unfinished,
+            or from another format version.
         ValueError: for an unknown ``decode``.
     """
 
     backend = "lmdb"
 
-    def _open(self) -> lmdb.Environment:
+    def _open(self) -> _Env:
         return _environments.acquire(self.path)
 
-    def _close_handle(self, env: lmdb.Environment) -> None:
-        _environments.release(self.path)
+    def _close_handle(self, handle: _Env) -> None:
+        _environments.release(handle)
 
-    def _load_index(self, env: lmdb.Environment) -> tuple[dict, np.ndarray]:
-        with env.begin() as txn:
-            metadata = load_metadata(txn.get(_METADATA_KEY), self.path, self.backend)
-            raw_targets = txn.get(_TARGETS_KEY)
-        if raw_targets is None or len(raw_targets) % 8:
-            raise PackError(f"{self.path}: corrupt pack (label index missing or damaged)")
-        targets = np.frombuffer(raw_targets, "<i8").astype(np.int64)
+    def _get(self, handle: _Env, txn: lmdb.Transaction, key: bytes, what: str) -> memoryview | None:
+        """``txn.get(key)``, checked to lie inside the file (NOTE [ LMDB values ... ], step 3)."""
+        try:
+            value = txn.get(key)
+        except lmdb.Error as error:
+            raise PackError(f"{self.path}: damaged LMDB file reading {what} ({error})") from None
+        if value is None:
+            return None
+        length = len(value)
+        if handle.start is None:
+            inside = length <= handle.size
+        else:
+            address = np.frombuffer(value, dtype=np.uint8).__array_interface__["data"][0]
+            inside = handle.start <= address and address + length <= handle.start + handle.size
+        if not inside:
+            raise PackError(f"{self.path}: damaged LMDB file ({what} lies outside the file)")
+        return value
+
+    def _load_index(self, handle: _Env) -> tuple[dict, np.ndarray]:
+        try:
+            with handle.env.begin(buffers=True) as txn:
+                raw = self._get(handle, txn, _METADATA_KEY, "the metadata")
+                metadata = load_metadata(None if raw is None else bytes(raw), self.path, "lmdb")
+                raw_targets = self._get(handle, txn, _TARGETS_KEY, "the labels")
+                if raw_targets is None or len(raw_targets) % 8:
+                    raise PackError(f"{self.path}: corrupt pack (label index missing or damaged)")
+                targets = np.frombuffer(raw_targets, "<i8").copy()
+                if metadata["sources"]:
+                    self._load_sources(handle, txn, metadata)
+            entries = handle.env.stat()["entries"]
+        except lmdb.Error as error:
+            raise PackError(f"{self.path}: damaged LMDB file ({error})") from None
+        expected = metadata["count"] + (4 if metadata["sources"] else 2)
+        if entries != expected:
+            raise PackError(
+                f"{self.path}: corrupt pack ({entries} LMDB entries for {metadata['count']} "
+                f"records)"
+            )
         return metadata, check_targets(targets, metadata, self.path)
 
-    def _read_each(self, env: lmdb.Environment, indices: Sequence[int], use: Callable) -> list:
+    def _load_sources(self, handle: _Env, txn: lmdb.Transaction, metadata: dict) -> None:
+        offsets = self._get(handle, txn, _SOURCE_OFFSETS_KEY, "the source path offsets")
+        blob = self._get(handle, txn, _SOURCES_KEY, "the source paths")
+        if offsets is None or blob is None or len(offsets) != 8 * (metadata["count"] + 1):
+            raise PackError(f"{self.path}: corrupt pack (source paths missing or damaged)")
+        check_array(offsets, "source_offsets", metadata, self.path)
+        check_array(blob, "sources", metadata, self.path)
+        bounds = np.frombuffer(offsets, "<i8")
+        if bounds[0] != 0 or bounds[-1] != len(blob) or np.any(np.diff(bounds) < 0):
+            raise PackError(f"{self.path}: corrupt pack (source path offsets do not fit)")
+
+    def _read_source(self, handle: _Env, position: int) -> bytes:
+        try:
+            return self._read_source_in(handle, position)
+        except lmdb.Error as error:
+            raise PackError(f"{self.path}: damaged LMDB file ({error})") from None
+
+    def _read_source_in(self, handle: _Env, position: int) -> bytes:
+        with handle.env.begin(buffers=True) as txn:
+            offsets = self._get(handle, txn, _SOURCE_OFFSETS_KEY, "the source path offsets")
+            blob = self._get(handle, txn, _SOURCES_KEY, "the source paths")
+            if offsets is None or blob is None:
+                raise PackError(f"{self.path}: corrupt pack (source paths missing)")
+            start, end = struct.unpack_from("<qq", offsets, 8 * position)
+            if not 0 <= start <= end <= len(blob):
+                raise PackError(f"{self.path}: damaged source path of record {position}")
+            return bytes(blob[start:end])
+
+    def _read_each(self, handle: _Env, indices: Sequence[int], use: Callable) -> list:
         # buffers=True: values are views into the memory map, valid inside the transaction.
-        with env.begin(buffers=True) as txn:
-            return [use(index, txn.get(_key(index))) for index in indices]
+        try:
+            with handle.env.begin(buffers=True) as txn:
+                return [
+                    use(index, self._get(handle, txn, _key(index), f"record {index}"))
+                    for index in indices
+                ]
+        except lmdb.Error as error:
+            raise PackError(f"{self.path}: damaged LMDB file ({error})") from None
 
 
 class LMDBWriter(PackWriter):
@@ -150,13 +254,9 @@ class LMDBWriter(PackWriter):
         )
         self._txn = self._env.begin(write=True)
         self._pending = 0
-        self._labels = array("q")
 
-    def append(self, record: bytes, label: int) -> None:
+    def _put(self, record: bytes) -> None:
         self._txn.put(_key(self.count), record, append=True)
-        self._labels.append(int(label))
-        self.count += 1
-        self.bytes_written += len(record)
         self._pending += len(record)
         if self._pending >= _COMMIT_BYTES:
             self._txn.commit()
@@ -164,10 +264,13 @@ class LMDBWriter(PackWriter):
             self._pending = 0
 
     def close(self) -> None:
-        """Write the labels and metadata, sync and close: the pack is then complete."""
-        labels = np.frombuffer(self._labels, dtype=np.int64).astype("<i8")
-        self._txn.put(_TARGETS_KEY, labels.tobytes())
-        self._txn.put(_METADATA_KEY, self.metadata_json())
+        """Write the labels, source paths and metadata, sync and close: the pack is complete."""
+        arrays = self.arrays()
+        self._txn.put(_TARGETS_KEY, arrays["labels"].tobytes())
+        if "sources" in arrays:
+            self._txn.put(_SOURCES_KEY, arrays["sources"].tobytes())
+            self._txn.put(_SOURCE_OFFSETS_KEY, arrays["source_offsets"].tobytes())
+        self._txn.put(_METADATA_KEY, self.metadata_json(arrays))
         self._txn.commit()
         self._env.sync(True)
         self._env.close()

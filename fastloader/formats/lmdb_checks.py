@@ -1,0 +1,104 @@
+"""What LMDB trusts, checked before LMDB is let near a file (NOTE [ LMDB values checked ... ]).
+
+LMDB reads its two meta pages, picks the one with the higher transaction id, and from then on
+follows page numbers and sizes without checking them against the file. Here the meta pages are
+read with plain file reads and everything LMDB will rely on is checked against the file's size.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+from fastloader.formats.records import PackError
+
+# The layout of an LMDB meta page on a 64-bit build (lmdb.h / mdb.c, data version 1):
+# a 16-byte page header (pgno u64, pad u16, flags u16, lower/upper u16 u16), then MDB_meta:
+# magic u32, version u32, address u64, mapsize u64, two MDB_db (pad u32 (the page size, in the
+# free DB's), flags u16, depth u16, branch, leaf, overflow pages, entries, root: u64 each),
+# last page u64, transaction id u64.
+_PAGE_HEADER = struct.Struct("<QHHHH")
+_META = struct.Struct("<IIQQ" + "IHHQQQQQ" * 2 + "QQ")
+_P_META = 0x08
+_MAGIC = 0xBEEFC0DE
+_DATA_VERSION = 1
+_PAGE_SIZES = (4096, 8192, 16384, 32768, 65536)
+_P_INVALID = (1 << 64) - 1
+_MAX_DEPTH = 32  # a B-tree of 2^64 entries with two per page is 64 deep; ours are < 10
+_OS_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _meta(path: Path, page: bytes) -> dict:
+    if len(page) < _PAGE_HEADER.size + _META.size:
+        raise PackError(f"{path}: not an LMDB file (too short for its meta pages)")
+    _, _, flags, _, _ = _PAGE_HEADER.unpack_from(page)
+    fields = _META.unpack_from(page, _PAGE_HEADER.size)
+    magic, version = fields[0], fields[1]
+    if not flags & _P_META or magic != _MAGIC:
+        raise PackError(f"{path}: not an LMDB file (no LMDB meta page)")
+    if version != _DATA_VERSION:
+        raise PackError(f"{path}: damaged LMDB file (meta page data version {version})")
+    free, main = fields[4:12], fields[12:20]
+    return {
+        "psize": free[0],
+        "free": {"flags": free[1], "depth": free[2], "pages": sum(free[3:6]), "root": free[7]},
+        "main": {"flags": main[1], "depth": main[2], "pages": sum(main[3:6]), "root": main[7]},
+        "last_pg": fields[20],
+        "txnid": fields[21],
+    }
+
+
+def check_lmdb_file(path: Path, size: int) -> None:
+    """Check the meta pages of the LMDB file at ``path`` (``size`` bytes) against its size.
+
+    Raises:
+        PackError: naming the file, if it is not LMDB, or its meta page points outside it.
+    """
+    with open(path, "rb") as file:
+        first = file.read(_PAGE_HEADER.size + _META.size)
+        meta0 = _meta(path, first)
+        psize = meta0["psize"]
+        if psize not in _PAGE_SIZES:
+            raise PackError(f"{path}: damaged LMDB file (page size {psize})")
+        file.seek(psize)
+        meta1 = _meta(path, file.read(_PAGE_HEADER.size + _META.size))
+    meta = meta1 if meta1["txnid"] > meta0["txnid"] else meta0  # what LMDB picks
+    pages = meta["last_pg"] + 1
+    if meta["last_pg"] >= _P_INVALID // psize or pages * psize > size:
+        raise PackError(
+            f"{path}: truncated or damaged LMDB file (its meta page says {pages} pages of "
+            f"{psize} bytes; the file has {size} bytes)"
+        )
+    for name in ("main", "free"):
+        db = meta[name]
+        empty = db["root"] == _P_INVALID
+        if not empty and not 2 <= db["root"] < pages:
+            raise PackError(f"{path}: damaged LMDB file ({name} root page {db['root']})")
+        if db["depth"] > _MAX_DEPTH or db["pages"] > pages or (empty and db["depth"]):
+            raise PackError(f"{path}: damaged LMDB file ({name} database statistics)")
+    if meta["main"]["flags"] != 0:
+        raise PackError(f"{path}: not a fastloader LMDB pack (database flags)")
+
+
+def mapping_start(path: Path, identity: tuple[int, int, int, int], map_size: int) -> int | None:
+    """The address at which this process maps ``path`` (LMDB's map), or None if unknown.
+
+    Read from ``/proc/self/maps`` (Linux): the mapping of this inode at offset 0 whose length
+    is the map size. None where there is no such file, or the mapping is not found.
+    """
+    length = -(-map_size // _OS_PAGE) * _OS_PAGE
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.read().splitlines()
+    except OSError:
+        return None
+    found = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or int(fields[2], 16) != 0 or int(fields[4]) != identity[1]:
+            continue
+        start, end = (int(value, 16) for value in fields[0].split("-"))
+        if end - start == length:
+            found.append(start)
+    return found[-1] if len(found) == 1 else None

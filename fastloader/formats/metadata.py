@@ -1,0 +1,208 @@
+"""The metadata schema shared by every backend: bounded JSON, every field checked.
+
+Metadata is one JSON object; nothing in a pack is ever unpickled. A file from anyone may be
+opened, so parsing is bounded before it starts (size and nesting depth), and every field is
+type- and range-checked: any problem is a PackError naming the file.
+
+NOTE [ Metadata checksums ]
+The metadata carries the xxh3_64 checksums of the arrays a pack keeps beside its records
+(``labels``, ``offsets`` and the source paths) under ``checksums``, and ``checksum``: the xxh3_64
+of the canonical JSON (sorted keys, compact) of everything else. A reader re-serialises what it
+parsed the same way to check it, so a flipped byte in a class name or a count is found too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from fastloader.formats.records import FORMAT_NAME, FORMAT_VERSION, STORE_MODES, PackError
+
+MAX_METADATA_BYTES = 64 << 20  # a million class names fit many times over
+MAX_DEPTH = 16  # our own metadata nests 3 deep
+MAX_RECORDS = 1 << 40
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+def array_checksum(data: bytes | memoryview | np.ndarray) -> str:
+    """The xxh3_64 of an array's bytes (little-endian as stored), as 16 hex digits."""
+    if isinstance(data, np.ndarray):
+        data = memoryview(np.ascontiguousarray(data)).cast("B")
+    return f"{xxhash.xxh3_64_intdigest(data):016x}"
+
+
+def _canonical(metadata: dict[str, Any]) -> bytes:
+    rest = {key: value for key, value in metadata.items() if key != "checksum"}
+    return json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()
+
+
+def make_metadata(
+    backend: str,
+    store: str,
+    count: int,
+    classes: Sequence[str],
+    info: dict | None,
+    checksums: dict[str, str],
+    sources: bool,
+) -> dict[str, Any]:
+    """Return the metadata object a writer stores last, once every record is written."""
+    metadata = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "backend": backend,
+        "store": store,
+        "count": int(count),
+        "classes": [str(name) for name in classes],
+        "info": dict(info or {}),
+        "sources": bool(sources),
+        "checksums": dict(checksums),
+    }
+    metadata["checksum"] = array_checksum(_canonical(metadata))
+    return metadata
+
+
+def dump_metadata(metadata: dict[str, Any]) -> bytes:
+    """Serialise metadata to JSON bytes (raises TypeError for values JSON cannot hold)."""
+    return json.dumps(metadata, sort_keys=True).encode()
+
+
+def _depth(raw: bytes) -> int:
+    """The nesting depth of JSON text, found without parsing it (strings blanked out)."""
+    skeleton = np.frombuffer(_STRING.sub(b'""', raw), dtype=np.uint8)
+    steps = np.zeros(len(skeleton), dtype=np.int64)
+    steps[(skeleton == ord("[")) | (skeleton == ord("{"))] = 1
+    steps[(skeleton == ord("]")) | (skeleton == ord("}"))] = -1
+    return int(np.cumsum(steps).max()) if len(steps) else 0
+
+
+def parse_json(raw: bytes | str, path: Path, what: str = "metadata") -> Any:
+    """Parse bounded JSON: at most MAX_METADATA_BYTES and MAX_DEPTH deep.
+
+    Raises:
+        PackError: naming the file, for JSON that is too large, too deep, or invalid.
+    """
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", "surrogatepass")
+    if len(raw) > MAX_METADATA_BYTES:
+        raise PackError(f"{path}: corrupt {what} ({len(raw)} bytes, at most {MAX_METADATA_BYTES})")
+    if _depth(raw) > MAX_DEPTH:
+        raise PackError(f"{path}: corrupt {what} (JSON nested deeper than {MAX_DEPTH} levels)")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as error:  # JSONDecodeError, bad UTF-8, huge numbers
+        raise PackError(f"{path}: corrupt {what} ({' '.join(str(error).split())[:200]})") from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def load_metadata(raw: bytes | str | None, path: Path, backend: str) -> dict[str, Any]:
+    """Parse and check the metadata of the pack at ``path``.
+
+    Raises:
+        PackError: naming the file, if the metadata is absent (an unfinished or foreign file),
+            not ours, from another format version, damaged, or inconsistent.
+    """
+    if raw is None:
+        raise PackError(
+            f"{path}: not a complete fastloader pack (no metadata: an interrupted "
+            f"fastloader-pack run, or a {backend} file written by something else)"
+        )
+    metadata = parse_json(raw, path)
+    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT_NAME:
+        raise PackError(f"{path}: not a fastloader pack (foreign metadata)")
+    version = metadata.get("version")
+    if not _is_int(version) or version < 1:
+        raise PackError(f"{path}: corrupt metadata (format version {str(version)[:40]!r})")
+    if version > FORMAT_VERSION:
+        raise PackError(
+            f"{path}: written by a newer fastloader (format version {version}; this version "
+            f"reads up to {FORMAT_VERSION}): upgrade fastloader"
+        )
+    if version < FORMAT_VERSION:
+        raise PackError(
+            f"{path}: written by an older fastloader (format version {version}, records without "
+            f"checksums): re-pack it with this version's fastloader-pack"
+        )
+    stored = metadata.get("checksum")
+    actual = array_checksum(_canonical(metadata))
+    if stored != actual:
+        raise PackError(
+            f"{path}: damaged metadata (checksum mismatch: stored {str(stored)[:20]}, "
+            f"computed {actual})"
+        )
+    problems = _problems(metadata, backend)
+    if problems:
+        raise PackError(f"{path}: corrupt metadata ({'; '.join(problems)})")
+    return metadata
+
+
+def _problems(metadata: dict[str, Any], backend: str) -> list[str]:
+    problems = []
+    if metadata.get("backend") != backend:
+        problems.append(f"backend {str(metadata.get('backend'))[:40]!r} in a {backend} file")
+    if metadata.get("store") not in STORE_MODES:
+        problems.append(f"unknown store mode {str(metadata.get('store'))[:40]!r}")
+    count = metadata.get("count")
+    if not _is_int(count) or not 0 <= count <= MAX_RECORDS:
+        problems.append(f"bad count {str(count)[:40]!r}")
+    classes = metadata.get("classes")
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+        problems.append("classes is not a list of names")
+    elif not classes:
+        problems.append("no classes")
+    elif len(set(classes)) != len(classes):
+        problems.append("class names repeat")
+    if not isinstance(metadata.get("info"), dict):
+        problems.append("info is not an object")
+    if not isinstance(metadata.get("sources"), bool):
+        problems.append("sources is not true or false")
+    checksums = metadata.get("checksums")
+    if not isinstance(checksums, dict) or not all(
+        isinstance(value, str) for value in checksums.values()
+    ):
+        problems.append("checksums is not an object of strings")
+    return problems
+
+
+def check_array(data: Any, name: str, metadata: dict[str, Any], path: Path) -> None:
+    """Check an array kept beside the records against its checksum in the metadata.
+
+    Raises:
+        PackError: naming the file and the array, if it is missing from the metadata or differs.
+    """
+    stored = metadata["checksums"].get(name)
+    if stored is None:
+        raise PackError(f"{path}: corrupt metadata (no checksum for {name})")
+    actual = array_checksum(data)
+    if stored != actual:
+        raise PackError(
+            f"{path}: damaged {name} (checksum mismatch: stored {stored[:20]}, computed {actual})"
+        )
+
+
+def check_targets(targets: np.ndarray, metadata: dict[str, Any], path: Path) -> np.ndarray:
+    """Return the int64 label array after checking it against the metadata.
+
+    Raises:
+        PackError: if its length differs from the record count, its checksum does not match,
+            or a label is not one of the classes.
+    """
+    if targets.dtype != np.dtype("<i8") or targets.ndim != 1:
+        raise PackError(f"{path}: corrupt pack (labels are {targets.dtype}, not int64)")
+    if len(targets) != metadata["count"]:
+        raise PackError(
+            f"{path}: corrupt pack ({len(targets)} labels for {metadata['count']} records)"
+        )
+    check_array(targets, "labels", metadata, path)
+    classes = len(metadata["classes"])
+    if len(targets) and (targets.min() < 0 or targets.max() >= classes):
+        raise PackError(f"{path}: corrupt pack (a label is outside the {classes} classes)")
+    return targets.astype(np.int64)
