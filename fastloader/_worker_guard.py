@@ -1,0 +1,75 @@
+"""What runs in each worker process to keep it supervised: die with the parent, dump stacks.
+
+NOTE [ Workers die with their parent ]
+
+torch's workers notice a dead parent only between tasks, so a worker inside a long
+``dataset[i]`` outlives a SIGKILLed main process. On Linux each worker asks the kernel for
+SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``), then checks ``getppid()`` in case
+the parent died before the request. The kernel sends that signal when the *thread* that forked
+the worker exits, so it is used only when the worker was started from the main thread;
+otherwise, and on other systems, a daemon thread polls ``getppid()`` twice a second.
+
+NOTE [ Worker stacks on timeout ]
+
+Each worker registers ``faulthandler`` on SIGUSR2 to write its Python stack into its own file
+in a folder the main process made. When ``timeout`` fires, the main process signals the
+workers that hold unfinished tasks and puts their stacks in the error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import os
+import signal
+import sys
+import threading
+import time
+
+_PR_SET_PDEATHSIG = 1
+STACK_SIGNAL = getattr(signal, "SIGUSR2", None)
+_stack_files: list = []  # keeps the open stack file alive in this worker
+
+
+def die_with_parent(parent_pid: int, forked_from_main_thread: bool) -> None:
+    """Make this process exit soon after ``parent_pid`` dies. See NOTE above."""
+    if sys.platform.startswith("linux") and forked_from_main_thread and _set_pdeathsig():
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        return
+    thread = threading.Thread(
+        target=_watch_parent, args=(parent_pid,), name="fastloader-parent-watch", daemon=True
+    )
+    thread.start()
+
+
+def _set_pdeathsig() -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(0.5)
+
+
+def stack_file(folder: str, slot: int, pid: int) -> str:
+    """Where worker ``slot`` with process id ``pid`` writes its stack."""
+    return os.path.join(folder, f"worker-{slot}-{pid}.stack")
+
+
+def register_stack_dump(folder: str | None, slot: int) -> None:
+    """Dump this worker's Python stack to its file on STACK_SIGNAL. See NOTE above."""
+    if folder is None or STACK_SIGNAL is None:
+        return
+    try:
+        file = open(stack_file(folder, slot, os.getpid()), "w")  # noqa: SIM115 (kept open)
+        faulthandler.register(STACK_SIGNAL, file=file, all_threads=True, chain=False)
+        _stack_files.append(file)
+    except (OSError, RuntimeError, ValueError):
+        pass
