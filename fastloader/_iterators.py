@@ -191,12 +191,12 @@ class _WorkerInit:
         user_fn: Callable[[int], None] | None,
         parent_pid: int | None = None,
         stack_folder: str | None = None,
-        warn_reseed: bool = False,
+        reseeded: Any = None,
     ) -> None:
         self.user_fn = user_fn
         self.parent_pid = parent_pid
         self.stack_folder = stack_folder
-        self.warn_reseed = warn_reseed
+        self.reseeded = reseeded  # shared flag, set when user_fn changed the global RNGs
         self.forked_from_main_thread = True
 
     def __call__(self, worker_id: int) -> None:
@@ -210,20 +210,13 @@ class _WorkerInit:
             object.__setattr__(info, "dataset", info.dataset.dataset)
         if self.user_fn is None:
             return
-        if not (self.warn_reseed and worker_id == 0):
+        if self.reseeded is None or worker_id != 0:
             self.user_fn(worker_id)
             return
         before = _rng_fingerprint()
         self.user_fn(worker_id)
         if _rng_fingerprint() != before:
-            warnings.warn(
-                "fastloader: worker_init_fn changed the global random states (for example "
-                "torch's seed_worker recipe). fastloader seeds random, numpy.random and torch "
-                "for every sample from (seed, epoch, index), so what worker_init_fn seeds does "
-                "not reach dataset[i]; pass DataLoader(seed=...) to choose the seed instead.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            self.reseeded.value = 1  # the main process warns (a worker's warnings may be lost)
 
 
 def _rng_fingerprint() -> tuple:
@@ -385,8 +378,9 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
         self._parent_pid = os.getpid()
         self._stack_folder = tempfile.mkdtemp(prefix="fastloader-stacks-")
         weakref.finalize(self, shutil.rmtree, self._stack_folder, True)
-        self._warn_reseed = not getattr(loader, "_reseed_warning_given", False)
-        loader._reseed_warning_given = True
+        self._reseeded = None  # see _WorkerInit; checked until the first epoch ends
+        if loader.worker_init_fn is not None and not getattr(loader, "_reseed_warned", False):
+            self._reseeded = context.RawValue("b", 0)
         self._epoch = epoch
         self._delivered = skip
         self._epoch_done = False
@@ -407,9 +401,7 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
     @_worker_init_fn.setter
     def _worker_init_fn(self, user_fn: Callable[[int], None] | None) -> None:
         if not isinstance(user_fn, _WorkerInit):
-            user_fn = _WorkerInit(
-                user_fn, self._parent_pid, self._stack_folder, warn_reseed=self._warn_reseed
-            )
+            user_fn = _WorkerInit(user_fn, self._parent_pid, self._stack_folder, self._reseeded)
             user_fn.forked_from_main_thread = _in_main_thread()
         self.__dict__["_fastloader_worker_init"] = user_fn
 
@@ -444,6 +436,7 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
         self._epoch = epoch
         self._delivered = skip
         self._epoch_done = False
+        self._num_yielded = 0  # torch's per-epoch count (its _reset is skipped when continuing)
         self._bind(loader)
 
     def _continues_into(self, epoch: int, skip: int) -> bool:
@@ -494,12 +487,29 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
             return super()._next_data()
         except StopIteration:
             self._epoch_done = True
+            self._reseeded = None
             raise
 
     def _process_data(self, data: Any, worker_idx: int) -> Any:
         # Counted before torch re-raises a failed batch: it counts toward the epoch's end.
         self._delivered += 1
+        if self._reseeded is not None and self._reseeded.value:
+            self._warn_reseeded()
         return super()._process_data(data, worker_idx)
+
+    def _warn_reseeded(self) -> None:
+        self._reseeded = None
+        loader = self._loader_ref()
+        if loader is not None:
+            loader._reseed_warned = True
+        warnings.warn(
+            "fastloader: worker_init_fn changed the global random states (for example torch's "
+            "seed_worker recipe). fastloader seeds random, numpy.random and torch for every "
+            "sample from (seed, epoch, index), so what worker_init_fn seeds does not reach "
+            "dataset[i]; pass DataLoader(seed=...) to choose the seed instead.",
+            RuntimeWarning,
+            stacklevel=5,
+        )
 
     def _get_data(self) -> Any:
         while True:
@@ -559,7 +569,8 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
                 return success, data
 
     def _shutdown_workers(self) -> None:
-        super()._shutdown_workers()
+        if "_shutdown" in self.__dict__:  # not when __init__ failed before starting workers
+            super()._shutdown_workers()
 
     def shutdown(self) -> None:
         """Stop the worker processes now."""
