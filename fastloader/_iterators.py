@@ -1,24 +1,37 @@
 """Iterator subclasses of torch's: kept alive across epochs, cross-epoch prefetch, resume.
 
 Everything here runs in the main process, except what torch's worker loop runs with the
-objects built here (the seeded dataset wrappers and ``_WorkerInit``).
+objects built here (the seeded dataset wrappers and ``WorkerInit``).
 
 NOTE [ torch internals fastloader relies on ]
 
 Every touch of torch's private DataLoader machinery is in this module. Tested with torch
 2.13.0 and 2.14.1 (the range pinned in pyproject.toml). We subclass
-``_SingleProcessDataLoaderIter`` and ``_MultiProcessingDataLoaderIter`` and rely on:
+``_SingleProcessDataLoaderIter`` and ``_MultiProcessingDataLoaderIter`` (so ``iter(loader)``
+is torch's iterator, ``_BaseDataLoaderIter``) and rely on:
 
 - ``_BaseDataLoaderIter.__init__`` assigning ``self._dataset`` and the multiprocessing
   iterator reading ``self._worker_init_fn`` before it starts workers: both are properties here,
   so workers receive the seeded wrapper and fastloader's init function;
+- ``_BaseDataLoaderIter.__next__`` (profiler label, ``_num_yielded``), called around our
+  bookkeeping;
 - ``_next_index()`` being the only place indices are drawn (``_try_put_index`` treats its
-  StopIteration as "nothing to send now");
-- ``_next_data()``, ``_reset(loader)``, ``_try_put_index()``, ``_shutdown_workers()`` and the
-  counters ``_send_idx``, ``_rcvd_idx``, ``_task_info``, ``_tasks_outstanding``,
-  ``_prefetch_factor``, ``_in_order``;
+  StopIteration as "nothing to send now"), called just before a task is sent as
+  ``(self._send_idx, task)``;
+- ``_next_data()``, ``_reset(loader)``, ``_try_put_index()``, ``_process_data()``,
+  ``_get_data()``, ``_try_get_data()``, ``_shutdown_workers()`` and the state ``_send_idx``,
+  ``_rcvd_idx``, ``_task_info``, ``_tasks_outstanding``, ``_prefetch_factor``, ``_in_order``,
+  ``_workers``, ``_index_queues``, ``_worker_result_queue``, ``_workers_done_event``,
+  ``_workers_status``, ``_base_seed``, ``_shared_seed``, ``_worker_pids_set``, ``_shutdown``;
+- ``_utils.worker._worker_loop``'s argument list (replacement workers are started with it),
+  ``_utils.worker._ResumeIteration``, and ``_utils.signal_handling._remove_worker_pids``
+  (see NOTE [ Supervised workers ] in _supervision.py);
 - ``torch.utils.data._utils.worker.WorkerInfo`` being a plain object whose ``dataset`` we
   point back at the user's dataset.
+
+The module is longer than our ~500-line habit because all of that has to live here; what does
+not touch torch internals lives in _supervision.py (main-process bookkeeping) and
+_worker_guard.py (what runs in workers).
 
 NOTE [ Cross-epoch prefetch ]
 
@@ -39,7 +52,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import random
 import shutil
 import tempfile
 import threading
@@ -49,14 +61,12 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import (
     BatchSampler,
     DistributedSampler,
     SequentialSampler,
     _utils,
-    get_worker_info,
 )
 from torch.utils.data.dataloader import (
     _BaseDataLoaderIter,
@@ -72,11 +82,13 @@ from fastloader._supervision import (
     PoisonSampleError,
     WorkersLostError,
     describe_exit,
+    dump_stacks,
     error_result,
+    release_orphaned_write_lock,
     stall_message,
     warn_death,
 )
-from fastloader._worker_guard import STACK_SIGNAL, die_with_parent, register_stack_dump, stack_file
+from fastloader._worker_guard import WorkerInit
 from fastloader.samplers import EpochShuffleSampler
 from fastloader.seeding import RNGStateSwap, SeededDataset, SeededIterableDataset, Task
 
@@ -175,58 +187,6 @@ def _schedule_for(loader: Any, may_cross: bool) -> _EpochSchedule:
         ):
             samplers.append(sampler)
     return _EpochSchedule(loader._index_sampler, set_epoch, may_cross)
-
-
-class _WorkerInit:
-    """Runs in each worker before the user's ``worker_init_fn``.
-
-    Makes the worker die with its parent and dump its stack on request (NOTEs in
-    _worker_guard.py), tells the seeded dataset its slot, and points
-    ``get_worker_info().dataset`` back at the user's dataset, so code that configures the
-    dataset per worker (sharding an iterable dataset, opening files) sees its own object.
-    """
-
-    def __init__(
-        self,
-        user_fn: Callable[[int], None] | None,
-        parent_pid: int | None = None,
-        stack_folder: str | None = None,
-        reseeded: Any = None,
-    ) -> None:
-        self.user_fn = user_fn
-        self.parent_pid = parent_pid
-        self.stack_folder = stack_folder
-        self.reseeded = reseeded  # shared flag, set when user_fn changed the global RNGs
-        self.forked_from_main_thread = True
-
-    def __call__(self, worker_id: int) -> None:
-        if self.parent_pid is not None:
-            die_with_parent(self.parent_pid, self.forked_from_main_thread)
-        register_stack_dump(self.stack_folder, worker_id)
-        info = get_worker_info()
-        if isinstance(info.dataset, SeededDataset):
-            info.dataset.slot = worker_id
-        if isinstance(info.dataset, (SeededDataset, SeededIterableDataset)):
-            object.__setattr__(info, "dataset", info.dataset.dataset)
-        if self.user_fn is None:
-            return
-        if self.reseeded is None or worker_id != 0:
-            self.user_fn(worker_id)
-            return
-        before = _rng_fingerprint()
-        self.user_fn(worker_id)
-        if _rng_fingerprint() != before:
-            self.reseeded.value = 1  # the main process warns (a worker's warnings may be lost)
-
-
-def _rng_fingerprint() -> tuple:
-    numpy_state = np.random.get_state()
-    return (
-        random.getstate(),
-        numpy_state[1].tobytes(),
-        numpy_state[2],
-        torch.get_rng_state().numpy().tobytes(),
-    )
 
 
 class _SeededDatasetMixin:
@@ -378,7 +338,7 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
         self._parent_pid = os.getpid()
         self._stack_folder = tempfile.mkdtemp(prefix="fastloader-stacks-")
         weakref.finalize(self, shutil.rmtree, self._stack_folder, True)
-        self._reseeded = None  # see _WorkerInit; checked until the first epoch ends
+        self._reseeded = None  # see WorkerInit; checked until the first epoch ends
         if loader.worker_init_fn is not None and not getattr(loader, "_reseed_warned", False):
             self._reseeded = context.RawValue("b", 0)
         self._epoch = epoch
@@ -395,13 +355,13 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
         self._bind(loader)
 
     @property
-    def _worker_init_fn(self) -> _WorkerInit:
+    def _worker_init_fn(self) -> WorkerInit:
         return self.__dict__["_fastloader_worker_init"]
 
     @_worker_init_fn.setter
     def _worker_init_fn(self, user_fn: Callable[[int], None] | None) -> None:
-        if not isinstance(user_fn, _WorkerInit):
-            user_fn = _WorkerInit(user_fn, self._parent_pid, self._stack_folder, self._reseeded)
+        if not isinstance(user_fn, WorkerInit):
+            user_fn = WorkerInit(user_fn, self._parent_pid, self._stack_folder, self._reseeded)
             user_fn.forked_from_main_thread = _in_main_thread()
         self.__dict__["_fastloader_worker_init"] = user_fn
 
@@ -606,7 +566,7 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
                     "Every epoch of this loader raises this error."
                 )
                 raise WorkersLostError(self._broken)
-            self._release_orphaned_result_lock()
+            release_orphaned_write_lock(self._worker_result_queue)
             try:
                 self._start_worker(slot)
             except Exception as error:
@@ -666,19 +626,6 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
         self._workers[slot] = worker
         self._workers_status[slot] = True
 
-    def _release_orphaned_result_lock(self) -> None:
-        # A worker killed while writing a result leaves the result queue's write lock taken
-        # and every other worker blocked behind it. Results are small (tensors travel through
-        # shared memory), so a lock still held half a second after the queue ran dry is the
-        # dead worker's.
-        lock = getattr(self._worker_result_queue, "_wlock", None)
-        if lock is None:
-            return
-        if not lock.acquire(timeout=0.5):
-            lock.release()
-            return
-        lock.release()
-
     def _stall_report(self) -> str:
         holdings = {}
         unfinished: dict[int, list[int]] = {}
@@ -693,35 +640,8 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
                 [self._sent_tasks.get(n, n) for n in numbers],
                 self._sent_tasks.get(current) if current in numbers else None,
             )
-        busy = [slot for slot, held in holdings.items() if held[1]]
-        return stall_message(self._timeout, holdings, self._dump_stacks(busy))
-
-    def _dump_stacks(self, slots: list[int]) -> dict[int, str]:
-        files = {}
-        for slot in slots:
-            worker = self._workers[slot]
-            path = stack_file(self._stack_folder, slot, worker.pid)
-            if STACK_SIGNAL is None or not os.path.exists(path) or not worker.is_alive():
-                continue  # a worker without the handler would die of the signal
-            start = os.path.getsize(path)
-            try:
-                os.kill(worker.pid, STACK_SIGNAL)
-            except OSError:
-                continue
-            files[slot] = (path, start)
-        stacks = {}
-        deadline = time.monotonic() + 2.0
-        for slot, (path, start) in files.items():
-            text = ""
-            while time.monotonic() < deadline:
-                time.sleep(0.05)
-                with open(path) as file:
-                    file.seek(start)
-                    text = file.read()
-                if text.endswith("\n\n") or "\n\n" in text[-4:] or text.count("File ") > 0:
-                    break
-            stacks[slot] = text
-        return stacks
+        busy = [(slot, holdings[slot][0]) for slot, held in holdings.items() if held[1]]
+        return stall_message(self._timeout, holdings, dump_stacks(self._stack_folder, busy))
 
 
 def _in_main_thread() -> bool:

@@ -22,11 +22,15 @@ pool is marked broken and every epoch raises ``WorkersLostError``.
 
 from __future__ import annotations
 
+import os
 import signal
+import time
 import warnings
 from typing import Any
 
 from torch._utils import ExceptionWrapper
+
+from fastloader._worker_guard import STACK_SIGNAL, stack_file
 
 POISON_DEATHS = 3  # deaths blamed on one task before it is reported as a poison sample
 RESTARTS_WITHOUT_PROGRESS = 5  # replacements of one slot in a row that deliver nothing
@@ -155,3 +159,46 @@ def _describe_task(task: Any) -> str:
     epoch = getattr(task, "epoch", None)
     indices = getattr(task, "indices", task)
     return f"indices {indices!r}" + ("" if epoch is None else f" (epoch {epoch})")
+
+
+def dump_stacks(folder: str, workers: list[tuple[int, int]]) -> dict[int, str]:
+    """Ask each (slot, pid) worker for its Python stack (NOTE [ Worker stacks on timeout ])."""
+    files = {}
+    for slot, pid in workers:
+        path = stack_file(folder, slot, pid)
+        if STACK_SIGNAL is None or not os.path.exists(path):
+            continue  # a worker without the handler would die of the signal
+        start = os.path.getsize(path)
+        try:
+            os.kill(pid, STACK_SIGNAL)
+        except OSError:
+            continue
+        files[slot] = (path, start)
+    stacks = {}
+    deadline = time.monotonic() + 2.0
+    for slot, (path, start) in files.items():
+        text = ""
+        while time.monotonic() < deadline and "File " not in text:
+            time.sleep(0.05)
+            with open(path) as file:
+                file.seek(start)
+                text = file.read()
+        stacks[slot] = text
+    return stacks
+
+
+def release_orphaned_write_lock(result_queue: Any) -> None:
+    """Release the result queue's write lock if a dead worker left it taken.
+
+    A worker killed while writing a result leaves the multiprocessing queue's write lock taken
+    and every other worker blocked behind it. Results are small (tensors travel through shared
+    memory), and this runs after the queue stayed empty for a poll, so a lock still held half
+    a second later is the dead worker's.
+    """
+    lock = getattr(result_queue, "_wlock", None)
+    if lock is None:
+        return
+    if not lock.acquire(timeout=0.5):
+        lock.release()
+        return
+    lock.release()

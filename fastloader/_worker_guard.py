@@ -21,10 +21,19 @@ from __future__ import annotations
 import ctypes
 import faulthandler
 import os
+import random
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import get_worker_info
+
+from fastloader.seeding import SeededDataset, SeededIterableDataset
 
 _PR_SET_PDEATHSIG = 1
 STACK_SIGNAL = getattr(signal, "SIGUSR2", None)
@@ -73,3 +82,55 @@ def register_stack_dump(folder: str | None, slot: int) -> None:
         _stack_files.append(file)
     except (OSError, RuntimeError, ValueError):
         pass
+
+
+class WorkerInit:
+    """Runs in each worker before the user's ``worker_init_fn``.
+
+    Makes the worker die with its parent and dump its stack on request (NOTEs in
+    _worker_guard.py), tells the seeded dataset its slot, and points
+    ``get_worker_info().dataset`` back at the user's dataset, so code that configures the
+    dataset per worker (sharding an iterable dataset, opening files) sees its own object.
+    """
+
+    def __init__(
+        self,
+        user_fn: Callable[[int], None] | None,
+        parent_pid: int | None = None,
+        stack_folder: str | None = None,
+        reseeded: Any = None,
+    ) -> None:
+        self.user_fn = user_fn
+        self.parent_pid = parent_pid
+        self.stack_folder = stack_folder
+        self.reseeded = reseeded  # shared flag, set when user_fn changed the global RNGs
+        self.forked_from_main_thread = True
+
+    def __call__(self, worker_id: int) -> None:
+        if self.parent_pid is not None:
+            die_with_parent(self.parent_pid, self.forked_from_main_thread)
+        register_stack_dump(self.stack_folder, worker_id)
+        info = get_worker_info()
+        if isinstance(info.dataset, SeededDataset):
+            info.dataset.slot = worker_id
+        if isinstance(info.dataset, (SeededDataset, SeededIterableDataset)):
+            object.__setattr__(info, "dataset", info.dataset.dataset)
+        if self.user_fn is None:
+            return
+        if self.reseeded is None or worker_id != 0:
+            self.user_fn(worker_id)
+            return
+        before = _rng_fingerprint()
+        self.user_fn(worker_id)
+        if _rng_fingerprint() != before:
+            self.reseeded.value = 1  # the main process warns (a worker's warnings may be lost)
+
+
+def _rng_fingerprint() -> tuple:
+    numpy_state = np.random.get_state()
+    return (
+        random.getstate(),
+        numpy_state[1].tobytes(),
+        numpy_state[2],
+        torch.get_rng_state().numpy().tobytes(),
+    )
