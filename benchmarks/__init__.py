@@ -13,5 +13,5 @@ rows, ratios and notes (see ``report.py`` for the shape):
 The data is made at run time from the photos scikit-image ships (``_photos.py``).
 """
 
-COMPARISONS = ("loader", "formats", "packing", "memory", "gpu_step")
+COMPARISONS = ("loader", "formats", "packing", "memory", "gpu_step", "supervision")
 SIZES = ("tiny", "quick", "full")
