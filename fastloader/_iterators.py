@@ -247,13 +247,13 @@ class _LoaderIterMixin:
     def __next__(self) -> Any:
         started = time.perf_counter()
         delivered = self._delivered
-        loader = self._loader_ref()
         try:
             if self._device_batches is None:
                 batch = _BaseDataLoaderIter.__next__(self)
             else:
                 batch = next(self._device_batches)
         except StopIteration:
+            loader = self._loader_ref()
             if loader is not None:
                 loader._epoch_complete = True
             self._stats.end_epoch()
@@ -262,12 +262,16 @@ class _LoaderIterMixin:
             self._interrupted = True
             raise
         except Exception:
+            loader = self._loader_ref()
             if loader is not None and self._delivered != delivered:
-                loader._consumed += 1
+                loader.__dict__["_consumed"] += 1
             raise
-        self._stats.record_batch(time.perf_counter() - started, batch)
+        now = time.perf_counter()
+        self._stats.record_batch(now - started, batch, now)
+        loader = self._loader_ref()
         if loader is not None:
-            loader._consumed += 1
+            # not `loader._consumed += 1`: torch's DataLoader.__setattr__ is a Python call
+            loader.__dict__["_consumed"] += 1
         return batch
 
 
@@ -422,9 +426,9 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
     def _next_index(self) -> Any:
         if self._schedule is None:
             return super()._next_index()
-        epoch, indices = self._schedule.next_task()[:2]
+        task = self._schedule.next_task()
         number = self._send_idx  # torch sends this task under this number
-        task = Task(epoch, indices, number)
+        task = _new_tuple(Task, (task[0], task[1], number))  # Task(epoch, indices, number)
         self._sent_tasks[number] = task
         return task
 
@@ -473,14 +477,20 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
 
     def _get_data(self) -> Any:
         while True:
-            idx, data = self._receive()
+            if self._timeout > 0 or self._pin_memory or self._broken is not None:
+                idx, data = self._receive()
+            else:  # the common case of _receive, without its checks
+                success, item = self._try_get_data()
+                if not success:
+                    continue
+                idx, data = item
             if type(idx) is int:
                 info = self._task_info.get(idx)
                 if info is None or len(info) != 1:
                     continue  # delivered already, by a worker that died after sending it
                 if self._sent_tasks:
                     self._sent_tasks.pop(idx, None)
-                if self._ledger.restarts_without_progress:
+                if self._replaced:
                     self._ledger.progressed(info[0])
                 return idx, data
             if not self._resetting and isinstance(idx, _utils.worker._ResumeIteration):
@@ -505,9 +515,9 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
     def _try_get_data(self, timeout: float = _utils.MP_STATUS_CHECK_INTERVAL) -> Any:
         if not self._supervised:
             return super()._try_get_data(timeout)
-        deadline = time.monotonic() + timeout
+        deadline = None
+        wait = POLL_S if timeout > POLL_S else timeout
         while True:
-            wait = min(POLL_S, max(0.0, deadline - time.monotonic()))
             try:
                 success, data = super()._try_get_data(wait)
             except RuntimeError:
@@ -515,7 +525,7 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
                 if not dead:
                     raise
                 self._heal(dead)
-                continue
+                success, data = False, None
             except (OSError, EOFError):
                 # A result whose tensors lived in a worker that has died cannot be rebuilt.
                 # Its task was (or is now) re-sent with the dead worker's other tasks.
@@ -524,9 +534,15 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
                     self._heal(dead)
                 elif not self._replaced:
                     raise
-                continue
-            if success or time.monotonic() >= deadline:
+                success, data = False, None
+            if success:
                 return success, data
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + timeout - wait
+            if now >= deadline:
+                return False, None
+            wait = min(POLL_S, deadline - now)
 
     def _shutdown_workers(self) -> None:
         if "_shutdown" in self.__dict__:  # not when __init__ failed before starting workers
@@ -642,6 +658,9 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
             )
         busy = [(slot, holdings[slot][0]) for slot, held in holdings.items() if held[1]]
         return stall_message(self._timeout, holdings, dump_stacks(self._stack_folder, busy))
+
+
+_new_tuple = tuple.__new__
 
 
 def _in_main_thread() -> bool:
