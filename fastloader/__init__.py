@@ -1,5 +1,6 @@
 """fastloader: a drop-in, faster torch DataLoader with packed LMDB/HDF5 datasets."""
 
+from fastloader._supervision import PoisonSampleError, WorkersLostError
 from fastloader.device import DevicePrefetcher, move_to_device, pin, resolve_device
 from fastloader.formats import HDF5Dataset, LMDBDataset, PackError, open_pack, read_metadata
 from fastloader.loader import DataLoader
@@ -17,6 +18,7 @@ __all__ = [
     "Normalize",
     "PackSummary",
     "PackError",
+    "PoisonSampleError",
     "move_to_device",
     "open_pack",
     "pack",
@@ -24,5 +26,6 @@ __all__ = [
     "read_metadata",
     "resolve_device",
     "timed_iter",
+    "WorkersLostError",
 ]
 __version__ = "0.1.0"
