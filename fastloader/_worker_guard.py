@@ -42,13 +42,20 @@ _stack_files: list = []  # keeps the open stack file alive in this worker
 
 def die_with_parent(parent_pid: int, forked_from_main_thread: bool) -> None:
     """Make this process exit soon after ``parent_pid`` dies. See NOTE above."""
-    if sys.platform.startswith("linux") and forked_from_main_thread and _set_pdeathsig():
-        if os.getppid() != parent_pid:
+    direct = os.getppid() == parent_pid
+    if not direct and not _alive(parent_pid):
+        os._exit(1)  # the parent died before we got here
+    # Not a direct child under the "forkserver" start method: the fork server is the parent,
+    # and it exits when the main process does, so the parent-death signal still applies.
+    linux = sys.platform.startswith("linux")
+    if linux and (forked_from_main_thread or not direct) and _set_pdeathsig():
+        if os.getppid() != parent_pid and direct:
             os._exit(1)
         return
     thread = threading.Thread(
-        target=_watch_parent, args=(parent_pid,), name="fastloader-parent-watch", daemon=True
+        target=_watch_parent, args=(parent_pid, direct), name="fastloader-parent-watch"
     )
+    thread.daemon = True
     thread.start()
 
 
@@ -60,11 +67,20 @@ def _set_pdeathsig() -> bool:
         return False
 
 
-def _watch_parent(parent_pid: int) -> None:
-    while True:
-        if os.getppid() != parent_pid:
-            os._exit(1)
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _watch_parent(parent_pid: int, direct: bool) -> None:
+    while os.getppid() == parent_pid if direct else _alive(parent_pid):
         time.sleep(0.5)
+    os._exit(1)
 
 
 def stack_file(folder: str, slot: int, pid: int) -> str:

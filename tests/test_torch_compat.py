@@ -180,3 +180,13 @@ def test_worker_init_fn_that_leaves_the_rngs_alone_does_not_warn(recwarn):
     list(loader)
     assert not [w for w in recwarn if "worker_init_fn" in str(w.message)]
     loader.close()
+
+
+def test_forkserver_workers_run_without_deaths(recwarn):
+    loader = DataLoader(
+        list(range(8)), batch_size=2, num_workers=2, multiprocessing_context="forkserver"
+    )
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert len(loader.worker_pids) == 2
+    assert not [w for w in recwarn if "DataLoader worker" in str(w.message)]
+    loader.close()
