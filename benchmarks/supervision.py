@@ -24,12 +24,13 @@ from torch.utils.data import Dataset
 
 from fastloader import DataLoader
 from fastloader._iterators import WorkerPoolIter
+from fastloader._supervision import POLL_S
 
 SIZES = {
     #        samples, batch, throughput rounds, epochs per round, kills, load seconds/sample
-    "tiny": (256, 16, 1, 1, 2, 0.0005),
-    "quick": (2048, 32, 5, 2, 6, 0.0005),
-    "full": (4096, 32, 9, 3, 12, 0.0005),
+    "tiny": (256, 16, 1, 1, 2, 0.001),
+    "quick": (2048, 32, 7, 2, 6, 0.001),
+    "full": (4096, 32, 11, 3, 12, 0.001),
 }
 
 
@@ -57,29 +58,37 @@ def _loader(samples: int, batch: int, load_s: float) -> DataLoader:
 
 
 def recovery(samples: int, batch: int, load_s: float, kills: int) -> dict:
-    """Median time from a worker's SIGKILL to the next batch, and the usual batch interval."""
+    """Median time from a worker's SIGKILL to the batch it was loading, and the usual interval.
+
+    The worker is killed while it loads the next batch due (it has started it, so its result
+    cannot already be on its way), which makes the measured time detection + a replacement
+    worker + loading the batch again.
+    """
     loader = _loader(samples, batch, load_s)
     list(loader)  # warm up: workers started, first epoch done
     intervals, recoveries = [], []
     batches_per_epoch = len(loader)
-    gap = max(2, batches_per_epoch // (kills + 1))
+    gap = max(3, batches_per_epoch // (kills + 1))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         while len(recoveries) < kills:
             iterator = iter(loader)
-            step, last = 0, time.perf_counter()
-            for _ in iterator:
+            last = time.perf_counter()
+            for step, _ in enumerate(iterator):
                 now = time.perf_counter()
-                if step > 0 and step % gap != 1:
+                if step % gap != 0:
                     intervals.append(now - last)
-                step += 1
-                if step % gap == 0 and step < batches_per_epoch - 1 and len(recoveries) < kills:
-                    holder = iterator._task_info[iterator._rcvd_idx][0]
-                    killed = time.perf_counter()
-                    os.kill(iterator._workers[holder].pid, signal.SIGKILL)
-                    next(iterator)
-                    recoveries.append(time.perf_counter() - killed)
-                    step += 1
+                last = now
+                if step % gap or step + 2 >= batches_per_epoch or len(recoveries) >= kills:
+                    continue
+                due = iterator._rcvd_idx
+                holder = iterator._task_info[due][0]
+                while iterator._progress[holder] < due:  # wait until it is loading `due`
+                    time.sleep(0.0002)
+                killed = time.perf_counter()
+                os.kill(iterator._workers[holder].pid, signal.SIGKILL)
+                next(iterator)
+                recoveries.append(time.perf_counter() - killed)
                 last = time.perf_counter()
     loader.close()
     return {
@@ -130,7 +139,7 @@ def run(size: str, workdir: Path) -> dict:
         },
         "rows": [
             {
-                "measure": "worker SIGKILL -> next batch (median ms)",
+                "measure": "worker SIGKILL -> the batch it was loading (median ms)",
                 "value": round(healed["recovery_ms"], 1),
             },
             {
@@ -146,7 +155,8 @@ def run(size: str, workdir: Path) -> dict:
         ],
         "ratios": {"supervised_over_unsupervised_throughput": round(steady["ratio"], 3)},
         "notes": [
-            f"{healed['kills']} kills of the worker holding the next batch, right after a batch",
+            f"{healed['kills']} kills of the worker loading the next batch due; recovery = "
+            f"detection (polls every {POLL_S * 1000:.0f} ms) + a new worker + the batch again",
             f"throughput: {rounds} interleaved rounds of {epochs} epoch(s) after a warm-up epoch; "
             "ratio of medians (goal >= 0.98)",
         ],
