@@ -13,7 +13,9 @@ rows, ratios and notes (see ``report.py`` for the shape):
 - ``gpu_step``: a GPU training step fed by each loader (skipped without CUDA);
 - ``distributed``: the global order of ``distributed=True`` vs DistributedSampler, state size;
 - ``cli_startup``: how fast ``fastloader-pack`` answers (``--help``, ``--info``, a usage
-  error) and how much of a small pack's wall time is not packing.
+  error) and how much of a small pack's wall time is not packing;
+- ``supervision``: time from a worker's death to the next batch, throughput with and without
+  worker supervision.
 
 The data is made at run time from the photos scikit-image ships (``_photos.py``).
 """
@@ -27,5 +29,6 @@ COMPARISONS = (
     "gpu_step",
     "distributed",
     "cli_startup",
+    "supervision",
 )
 SIZES = ("tiny", "quick", "full")

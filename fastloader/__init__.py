@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 # fastloader/pack.py is imported (the import system then sets the attribute to the module;
 # _Package puts the function back).
 _EXPORTS = {
+    "PoisonSampleError": "fastloader._supervision",
+    "WorkersLostError": "fastloader._supervision",
     "DataLoader": "fastloader.loader",
     "DevicePrefetcher": "fastloader.device",
     "EpochStats": "fastloader.stats",
@@ -47,6 +49,7 @@ __all__ = [
     "Normalize",
     "PackSummary",
     "PackError",
+    "PoisonSampleError",
     "move_to_device",
     "open_pack",
     "pack",
@@ -56,10 +59,12 @@ __all__ = [
     "timed_iter",
     "verify",
     "VerifyReport",
+    "WorkersLostError",
 ]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from fastloader._supervision import PoisonSampleError, WorkersLostError
     from fastloader.device import DevicePrefetcher, move_to_device, pin, resolve_device
     from fastloader.folder import ImageFolder
     from fastloader.formats import HDF5Dataset, LMDBDataset, PackError, open_pack, read_metadata

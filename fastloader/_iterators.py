@@ -1,24 +1,37 @@
 """Iterator subclasses of torch's: kept alive across epochs, cross-epoch prefetch, resume.
 
 Everything here runs in the main process, except what torch's worker loop runs with the
-objects built here (the seeded dataset wrappers and ``_WorkerInit``).
+objects built here (the seeded dataset wrappers and ``WorkerInit``).
 
 NOTE [ torch internals fastloader relies on ]
 
 Every touch of torch's private DataLoader machinery is in this module. Tested with torch
 2.13.0 and 2.14.1 (the range pinned in pyproject.toml). We subclass
-``_SingleProcessDataLoaderIter`` and ``_MultiProcessingDataLoaderIter`` and rely on:
+``_SingleProcessDataLoaderIter`` and ``_MultiProcessingDataLoaderIter`` (so ``iter(loader)``
+is torch's iterator, ``_BaseDataLoaderIter``) and rely on:
 
 - ``_BaseDataLoaderIter.__init__`` assigning ``self._dataset`` and the multiprocessing
   iterator reading ``self._worker_init_fn`` before it starts workers: both are properties here,
   so workers receive the seeded wrapper and fastloader's init function;
+- ``_BaseDataLoaderIter.__next__`` (profiler label, ``_num_yielded``), called around our
+  bookkeeping;
 - ``_next_index()`` being the only place indices are drawn (``_try_put_index`` treats its
-  StopIteration as "nothing to send now");
-- ``_next_data()``, ``_reset(loader)``, ``_try_put_index()``, ``_shutdown_workers()`` and the
-  counters ``_send_idx``, ``_rcvd_idx``, ``_task_info``, ``_tasks_outstanding``,
-  ``_prefetch_factor``, ``_in_order``;
+  StopIteration as "nothing to send now"), called just before a task is sent as
+  ``(self._send_idx, task)``;
+- ``_next_data()``, ``_reset(loader)``, ``_try_put_index()``, ``_process_data()``,
+  ``_get_data()``, ``_try_get_data()``, ``_shutdown_workers()`` and the state ``_send_idx``,
+  ``_rcvd_idx``, ``_task_info``, ``_tasks_outstanding``, ``_prefetch_factor``, ``_in_order``,
+  ``_workers``, ``_index_queues``, ``_worker_result_queue``, ``_workers_done_event``,
+  ``_workers_status``, ``_base_seed``, ``_shared_seed``, ``_worker_pids_set``, ``_shutdown``;
+- ``_utils.worker._worker_loop``'s argument list (replacement workers are started with it),
+  ``_utils.worker._ResumeIteration``, and ``_utils.signal_handling._remove_worker_pids``
+  (see NOTE [ Supervised workers ] in _supervision.py);
 - ``torch.utils.data._utils.worker.WorkerInfo`` being a plain object whose ``dataset`` we
   point back at the user's dataset.
+
+The module is longer than our ~500-line habit because all of that has to live here; what does
+not touch torch internals lives in _supervision.py (main-process bookkeeping) and
+_worker_guard.py (what runs in workers).
 
 NOTE [ Cross-epoch prefetch ]
 
@@ -39,17 +52,44 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
 import time
+import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler, get_worker_info
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DistributedSampler,
+    SequentialSampler,
+    _utils,
+)
 from torch.utils.data.dataloader import (
+    _BaseDataLoaderIter,
     _DatasetKind,
     _MultiProcessingDataLoaderIter,
     _SingleProcessDataLoaderIter,
 )
 
+from fastloader._supervision import (
+    POISON_DEATHS,
+    POLL_S,
+    DeathLedger,
+    PoisonSampleError,
+    WorkersLostError,
+    describe_exit,
+    dump_stacks,
+    error_result,
+    release_orphaned_write_lock,
+    stall_message,
+    warn_death,
+)
+from fastloader._worker_guard import WorkerInit
 from fastloader.samplers import (
     EpochShuffleSampler,
     samplers_with_set_epoch,
@@ -178,29 +218,12 @@ def _schedule_for(loader: Any, may_cross: bool) -> _EpochSchedule:
     return _EpochSchedule(loader._index_sampler, set_epoch, may_cross, batched)
 
 
-class _WorkerInit:
-    """Runs in each worker before the user's ``worker_init_fn``.
-
-    Points ``get_worker_info().dataset`` back at the user's dataset, so code that configures
-    the dataset per worker (sharding an iterable dataset, opening files) sees its own object.
-    """
-
-    def __init__(self, user_fn: Callable[[int], None] | None) -> None:
-        self.user_fn = user_fn
-
-    def __call__(self, worker_id: int) -> None:
-        info = get_worker_info()
-        if isinstance(info.dataset, (SeededDataset, SeededIterableDataset)):
-            object.__setattr__(info, "dataset", info.dataset.dataset)
-        if self.user_fn is not None:
-            self.user_fn(worker_id)
-
-
 class _SeededDatasetMixin:
     """Swaps in the seeded dataset wrapper where torch's iterator stores the dataset."""
 
     _seed: int
     _shared_epoch: Any
+    _progress: Any = None
 
     @property
     def _dataset(self) -> Any:
@@ -213,7 +236,7 @@ class _SeededDatasetMixin:
         elif self._schedule is None:
             wrapped = SeededIterableDataset(dataset, self._seed, self._shared_epoch)
         else:
-            wrapped = SeededDataset(dataset, self._seed)
+            wrapped = SeededDataset(dataset, self._seed, self._progress)
         self.__dict__["_seeded_dataset"] = wrapped
 
     def _next_index(self) -> Any:
@@ -222,7 +245,79 @@ class _SeededDatasetMixin:
         return self._schedule.next_task()
 
 
-class SingleProcessIter(_SeededDatasetMixin, _SingleProcessDataLoaderIter):
+class _LoaderIterMixin:
+    """Makes torch's iterator what ``iter(loader)`` returns, adding the loader's bookkeeping.
+
+    ``__next__`` is torch's (profiler label, ``_num_yielded``, the IterableDataset length
+    warning) plus loading-time stats, the loader's count of consumed batches (a batch whose
+    loading raised counts too, as it does toward the end of the epoch) and, with ``device``,
+    the copy to the device ahead of use. The loader is held weakly: dropping the loader or
+    this iterator stops the workers as with torch.
+    """
+
+    _delivered: int  # batches of this epoch handed on (or raised), counted by each iterator
+    _interrupted = False
+
+    def _bind(self, loader: Any) -> None:
+        self._loader_ref = weakref.ref(loader)
+        self._stats = loader.stats
+        self._device_batches = None
+        if loader._resolved_device is not None:
+            from fastloader.device import DevicePrefetcher
+
+            prefetcher = DevicePrefetcher(
+                _TorchNext(self),
+                loader._resolved_device,
+                depth=loader.device_prefetch,
+                transform=loader.device_transform,
+            )
+            self._device_batches = iter(prefetcher)
+
+    def __next__(self) -> Any:
+        started = time.perf_counter()
+        delivered = self._delivered
+        try:
+            if self._device_batches is None:
+                batch = _BaseDataLoaderIter.__next__(self)
+            else:
+                batch = next(self._device_batches)
+        except StopIteration:
+            loader = self._loader_ref()
+            if loader is not None:
+                loader._epoch_complete = True
+            self._stats.end_epoch()
+            raise
+        except KeyboardInterrupt:
+            self._interrupted = True
+            raise
+        except Exception:
+            loader = self._loader_ref()
+            if loader is not None and self._delivered != delivered:
+                loader.__dict__["_consumed"] += 1
+            raise
+        now = time.perf_counter()
+        self._stats.record_batch(now - started, batch, now)
+        loader = self._loader_ref()
+        if loader is not None:
+            # not `loader._consumed += 1`: torch's DataLoader.__setattr__ is a Python call
+            loader.__dict__["_consumed"] += 1
+        return batch
+
+
+class _TorchNext:
+    """torch's ``__next__`` of an iterator, as an iterable for the device prefetcher."""
+
+    def __init__(self, iterator: Any) -> None:
+        self._iterator = weakref.proxy(iterator)
+
+    def __iter__(self) -> _TorchNext:
+        return self
+
+    def __next__(self) -> Any:
+        return _BaseDataLoaderIter.__next__(self._iterator)
+
+
+class SingleProcessIter(_SeededDatasetMixin, _LoaderIterMixin, _SingleProcessDataLoaderIter):
     """One epoch loaded in the main process, without disturbing the training loop's RNGs."""
 
     def __init__(self, loader: Any, epoch: int, skip: int = 0) -> None:
@@ -233,15 +328,27 @@ class SingleProcessIter(_SeededDatasetMixin, _SingleProcessDataLoaderIter):
             self._schedule = _schedule_for(loader, may_cross=False)
             self._schedule.start(epoch, skip)
         self._rng_swap = RNGStateSwap()
+        self._delivered = 0
         super().__init__(loader)
+        self._bind(loader)
+
+    def _next_index(self) -> Any:
+        index = super()._next_index()
+        self._delivered += 1
+        return index
 
     def _next_data(self) -> Any:
         with self._rng_swap:
             return super()._next_data()
 
 
-class WorkerPoolIter(_SeededDatasetMixin, _MultiProcessingDataLoaderIter):
-    """Worker processes that serve epoch after epoch. See NOTE [ Cross-epoch prefetch ]."""
+class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingDataLoaderIter):
+    """Worker processes that serve epoch after epoch, supervised.
+
+    See NOTE [ Cross-epoch prefetch ] and NOTE [ Supervised workers ] (_supervision.py).
+    """
+
+    supervise = True  # False turns supervision off (benchmarks/supervision.py measures it)
 
     def __init__(self, loader: Any, epoch: int, skip: int = 0) -> None:
         self._seed = loader.seed
@@ -252,30 +359,62 @@ class WorkerPoolIter(_SeededDatasetMixin, _MultiProcessingDataLoaderIter):
             may_cross = loader.persistent_workers and order_is_predictable(loader)
             self._schedule = _schedule_for(loader, may_cross)
             self._schedule.start(epoch, skip)
+        self._supervised = WorkerPoolIter.supervise and self._schedule is not None
+        if self._supervised:
+            self._progress = context.RawArray("q", [-1] * loader.num_workers)
+        self._process_factory = loader.multiprocessing_context or torch.multiprocessing
+        self._ledger = DeathLedger()
+        self._sent_tasks: dict[int, Task] = {}
+        self._resetting = False
+        self._replaced = 0  # workers replaced so far
+        self._broken: str | None = None
+        self._parent_pid = os.getpid()
+        self._stack_folder = tempfile.mkdtemp(prefix="fastloader-stacks-")
+        weakref.finalize(self, shutil.rmtree, self._stack_folder, True)
+        self._reseeded = None  # see WorkerInit; checked until the first epoch ends
+        if loader.worker_init_fn is not None and not getattr(loader, "_reseed_warned", False):
+            self._reseeded = context.RawValue("b", 0)
         self._epoch = epoch
         self._delivered = skip
         self._epoch_done = False
         started = time.perf_counter()
         super().__init__(loader)
         self.startup_s = time.perf_counter() - started
+        if self._supervised and self._worker_pids_set:
+            # torch's SIGCHLD handler would raise inside whatever the main thread runs when a
+            # worker dies; supervision finds dead workers itself (NOTE [ Supervised workers ]).
+            _utils.signal_handling._remove_worker_pids(id(self))
+            self._worker_pids_set = False
+        self._bind(loader)
 
     @property
-    def _worker_init_fn(self) -> _WorkerInit:
+    def _worker_init_fn(self) -> WorkerInit:
         return self.__dict__["_fastloader_worker_init"]
 
     @_worker_init_fn.setter
     def _worker_init_fn(self, user_fn: Callable[[int], None] | None) -> None:
-        if not isinstance(user_fn, _WorkerInit):
-            user_fn = _WorkerInit(user_fn)
+        if not isinstance(user_fn, WorkerInit):
+            user_fn = WorkerInit(user_fn, self._parent_pid, self._stack_folder, self._reseeded)
+            user_fn.forked_from_main_thread = _in_main_thread()
         self.__dict__["_fastloader_worker_init"] = user_fn
 
     @property
     def worker_pids(self) -> list[int]:
-        """PIDs of the worker processes."""
-        return [w.pid for w in self._workers]
+        """PIDs of the live worker processes."""
+        return [w.pid for w in self._workers if w.is_alive()]
+
+    def needs_restart(self) -> bool:
+        """Whether the next epoch needs a fresh pool (broken, interrupted, or unsupervised)."""
+        if self._shutdown or self._broken is not None or self._interrupted:
+            return True
+        return not self._supervised and bool(self._dead_slots())
 
     def begin_epoch(self, loader: Any, epoch: int, skip: int = 0) -> None:
         """Serve ``epoch`` next, from its ``skip``-th batch on."""
+        if self._supervised:
+            dead = self._dead_slots()
+            if dead:
+                self._heal(dead)
         if self._schedule is None:  # iterable dataset: torch's reset, with the new epoch
             self._shared_epoch.value = epoch
             self._reset(loader)
@@ -290,6 +429,8 @@ class WorkerPoolIter(_SeededDatasetMixin, _MultiProcessingDataLoaderIter):
         self._epoch = epoch
         self._delivered = skip
         self._epoch_done = False
+        self._num_yielded = 0  # torch's per-epoch count (its _reset is skipped when continuing)
+        self._bind(loader)
 
     def _continues_into(self, epoch: int, skip: int) -> bool:
         # True when the tasks in flight are exactly epoch `epoch` from its first batch on.
@@ -309,6 +450,26 @@ class WorkerPoolIter(_SeededDatasetMixin, _MultiProcessingDataLoaderIter):
             if self._send_idx == sent:
                 break
 
+    # -- what torch's loop calls ------------------------------------------------------------
+
+    def _next_index(self) -> Any:
+        if self._schedule is None:
+            return super()._next_index()
+        task = self._schedule.next_task()
+        number = self._send_idx  # torch sends this task under this number
+        task = _new_tuple(Task, (task[0], task[1], number))  # Task(epoch, indices, number)
+        self._sent_tasks[number] = task
+        return task
+
+    def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        self._sent_tasks.clear()
+        self._ledger.reset()
+        self._resetting = True
+        try:
+            super()._reset(loader, first_iter)
+        finally:
+            self._resetting = False
+
     def _next_data(self) -> Any:
         if self._schedule is not None:
             length = self._schedule.lengths.get(self._epoch)
@@ -316,13 +477,220 @@ class WorkerPoolIter(_SeededDatasetMixin, _MultiProcessingDataLoaderIter):
                 self._epoch_done = True
                 raise StopIteration
         try:
-            data = super()._next_data()
+            return super()._next_data()
         except StopIteration:
             self._epoch_done = True
+            self._reseeded = None
             raise
+
+    def _process_data(self, data: Any, worker_idx: int) -> Any:
+        # Counted before torch re-raises a failed batch: it counts toward the epoch's end.
         self._delivered += 1
-        return data
+        if self._reseeded is not None and self._reseeded.value:
+            self._warn_reseeded()
+        return super()._process_data(data, worker_idx)
+
+    def _warn_reseeded(self) -> None:
+        self._reseeded = None
+        loader = self._loader_ref()
+        if loader is not None:
+            loader._reseed_warned = True
+        warnings.warn(
+            "fastloader: worker_init_fn changed the global random states (for example torch's "
+            "seed_worker recipe). fastloader seeds random, numpy.random and torch for every "
+            "sample from (seed, epoch, index), so what worker_init_fn seeds does not reach "
+            "dataset[i]; pass DataLoader(seed=...) to choose the seed instead.",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+
+    def _get_data(self) -> Any:
+        while True:
+            if self._timeout > 0 or self._pin_memory or self._broken is not None:
+                idx, data = self._receive()
+            else:  # the common case of _receive, without its checks
+                success, item = self._try_get_data()
+                if not success:
+                    continue
+                idx, data = item
+            if type(idx) is int:
+                info = self._task_info.get(idx)
+                if info is None or len(info) != 1:
+                    continue  # delivered already, by a worker that died after sending it
+                if self._sent_tasks:
+                    self._sent_tasks.pop(idx, None)
+                if self._replaced:
+                    self._ledger.progressed(info[0])
+                return idx, data
+            if not self._resetting and isinstance(idx, _utils.worker._ResumeIteration):
+                continue  # an extra acknowledgement from a worker replaced during a reset
+            return idx, data
+
+    def _receive(self) -> Any:
+        if self._broken is not None:
+            raise WorkersLostError(self._broken)
+        if self._timeout > 0:
+            success, data = self._try_get_data(self._timeout)
+            if success:
+                return data
+            raise RuntimeError(self._stall_report())
+        while True:
+            if self._pin_memory and not self._pin_memory_thread.is_alive():
+                raise RuntimeError("Pin memory thread exited unexpectedly")
+            success, data = self._try_get_data()
+            if success:
+                return data
+
+    def _try_get_data(self, timeout: float = _utils.MP_STATUS_CHECK_INTERVAL) -> Any:
+        if not self._supervised:
+            return super()._try_get_data(timeout)
+        deadline = None
+        wait = POLL_S if timeout > POLL_S else timeout
+        while True:
+            try:
+                success, data = super()._try_get_data(wait)
+            except RuntimeError:
+                dead = self._dead_slots()
+                if not dead:
+                    raise
+                self._heal(dead)
+                success, data = False, None
+            except (OSError, EOFError):
+                # A result whose tensors lived in a worker that has died cannot be rebuilt.
+                # Its task was (or is now) re-sent with the dead worker's other tasks.
+                dead = self._wait_for_a_death(1.0)
+                if dead:
+                    self._heal(dead)
+                elif not self._replaced:
+                    raise
+                success, data = False, None
+            if success:
+                return success, data
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + timeout - wait
+            if now >= deadline:
+                return False, None
+            wait = min(POLL_S, deadline - now)
+
+    def _shutdown_workers(self) -> None:
+        if "_shutdown" in self.__dict__:  # not when __init__ failed before starting workers
+            super()._shutdown_workers()
 
     def shutdown(self) -> None:
         """Stop the worker processes now."""
         self._shutdown_workers()
+
+    # -- supervision: see NOTE [ Supervised workers ] ---------------------------------------
+
+    def _dead_slots(self) -> list[int]:
+        return [slot for slot, worker in enumerate(self._workers) if not worker.is_alive()]
+
+    def _wait_for_a_death(self, seconds: float) -> list[int]:
+        # The sender of a result that cannot be rebuilt is exiting; wait until it is gone.
+        deadline = time.monotonic() + seconds
+        while not (dead := self._dead_slots()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return dead
+
+    def _heal(self, slots: list[int]) -> None:
+        for slot in slots:
+            old = self._workers[slot]
+            old.join(timeout=0)
+            exitcode = old.exitcode
+            unfinished = sorted(
+                number
+                for number, info in self._task_info.items()
+                if len(info) == 1 and info[0] == slot
+            )
+            self._blame(slot, exitcode, unfinished)
+            if not self._ledger.restarted(slot):
+                self._broken = (
+                    f"fastloader: DataLoader worker {slot} died again before delivering a batch "
+                    f"(pid {old.pid} {describe_exit(exitcode)}); workers cannot be restored. "
+                    "Every epoch of this loader raises this error."
+                )
+                raise WorkersLostError(self._broken)
+            release_orphaned_write_lock(self._worker_result_queue)
+            try:
+                self._start_worker(slot)
+            except Exception as error:
+                self._broken = f"fastloader: cannot start a replacement DataLoader worker: {error}"
+                raise WorkersLostError(self._broken) from error
+            queue = self._index_queues[slot]
+            if self._resetting:
+                queue.put(_utils.worker._ResumeIteration(self._shared_seed))
+            for number in unfinished:
+                queue.put((number, self._sent_tasks[number]))
+            self._replaced += 1
+            warn_death(slot, old.pid, exitcode, len(unfinished))
+
+    def _blame(self, slot: int, exitcode: int | None, unfinished: list[int]) -> None:
+        # Only the task the worker had started is blamed; see NOTE [ Supervised workers ].
+        current = self._progress[slot]
+        if current not in unfinished:
+            return
+        if self._ledger.blame(current, exitcode) < POISON_DEATHS:
+            return
+        task = self._sent_tasks.pop(current)
+        message = self._ledger.poison_message(current, task)
+        self._task_info[current] = (slot, error_result(PoisonSampleError(message)))
+        self._tasks_outstanding -= 1
+        unfinished.remove(current)
+
+    def _start_worker(self, slot: int) -> None:
+        index_queue = self._process_factory.Queue()
+        index_queue.cancel_join_thread()
+        self._worker_init_fn.forked_from_main_thread = _in_main_thread()
+        self._progress[slot] = -1
+        worker = self._process_factory.Process(
+            target=_utils.worker._worker_loop,
+            args=(
+                self._dataset_kind,
+                self._dataset,
+                index_queue,
+                self._worker_result_queue,
+                self._workers_done_event,
+                self._auto_collation,
+                self._collate_fn,
+                self._drop_last,
+                self._base_seed,
+                self._worker_init_fn,
+                slot,
+                self._num_workers,
+                self._persistent_workers,
+                self._shared_seed,
+            ),
+        )
+        worker.daemon = True
+        worker.start()
+        old_queue = self._index_queues[slot]
+        old_queue.cancel_join_thread()
+        old_queue.close()
+        self._index_queues[slot] = index_queue
+        self._workers[slot] = worker
+        self._workers_status[slot] = True
+
+    def _stall_report(self) -> str:
+        holdings = {}
+        unfinished: dict[int, list[int]] = {}
+        for number, info in sorted(self._task_info.items()):
+            if len(info) == 1:
+                unfinished.setdefault(info[0], []).append(number)
+        for slot, worker in enumerate(self._workers):
+            numbers = unfinished.get(slot, [])
+            current = self._progress[slot] if self._progress is not None else -1
+            holdings[slot] = (
+                worker.pid,
+                [self._sent_tasks.get(n, n) for n in numbers],
+                self._sent_tasks.get(current) if current in numbers else None,
+            )
+        busy = [(slot, holdings[slot][0]) for slot, held in holdings.items() if held[1]]
+        return stall_message(self._timeout, holdings, dump_stacks(self._stack_folder, busy))
+
+
+_new_tuple = tuple.__new__
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()

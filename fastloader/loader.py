@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import operator
 import os
-import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,16 +24,18 @@ from fastloader.samplers import (
 from fastloader.seeding import resolve_seed
 from fastloader.stats import LoaderStats
 
+T_co = TypeVar("T_co", covariant=True)
 
-def resolve_num_workers(num_workers: int | str) -> int:
-    """Return ``num_workers``, or a worker count from the CPUs this process may use for "auto".
+def resolve_num_workers(num_workers: int | str) -> Any:
+    """Return a worker count from the CPUs this process may use for "auto", else ``num_workers``.
 
     "auto" leaves one CPU to the training process and shares the rest between the processes of
-    this node (``LOCAL_WORLD_SIZE``, as set by torchrun).
+    this node (``LOCAL_WORLD_SIZE``, as set by torchrun). Anything else is left to torch's
+    DataLoader to check, so errors have torch's messages and timing (torch accepts
+    ``num_workers=2.0`` at construction, for example, and fails when workers start).
 
     Raises:
-        ValueError: for a negative count or a string other than "auto".
-        TypeError: for anything else that is not an int.
+        ValueError: for a string other than "auto".
     """
     if isinstance(num_workers, str):
         if num_workers != "auto":
@@ -42,17 +43,10 @@ def resolve_num_workers(num_workers: int | str) -> int:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         local_processes = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         return max(1, (cpus or 1) // local_processes - 1)
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int):
-        raise TypeError(
-            f'num_workers must be an int or "auto", got {type(num_workers).__name__}: '
-            f"{num_workers!r}"
-        )
-    if num_workers < 0:
-        raise ValueError(f"num_workers must be non-negative, got {num_workers}")
     return num_workers
 
 
-class DataLoader(TorchDataLoader):
+class DataLoader(TorchDataLoader[T_co]):
     """A drop-in ``torch.utils.data.DataLoader`` that keeps its workers and seeds every sample.
 
     Takes every argument of torch's DataLoader with the same meaning, and these differences:
@@ -65,14 +59,20 @@ class DataLoader(TorchDataLoader):
       ``(seed, e)``, so workers can load the next epoch while this one finishes.
     - ``loader.epoch`` is the current epoch; samplers with ``set_epoch`` get it before each one.
     - ``state_dict()``/``load_state_dict()`` resume exactly in the middle of an epoch.
+    - Workers are supervised: one that dies (OOM killer, segfault, Ctrl-C) is replaced and its
+      batches re-loaded, identical; a sample that kills its worker 3 times raises
+      ``PoisonSampleError`` for its batch. ``iter(loader)`` is torch's iterator class.
 
     Keyword-only additions (each stored as an attribute of the same name):
 
     Args:
         num_workers: as torch's, or "auto" for a count from the CPUs this process may use.
-        seed: seed of the sampling order and of every sample's RNGs. None draws one from
-            ``generator`` (or torch's default generator) at construction, so
-            ``torch.manual_seed``/Lightning's ``seed_everything`` make runs repeatable. The
+        seed: seed of the sampling order and of every sample's RNGs. None derives one from
+            the current state of ``generator`` (or of torch's default generator) without
+            drawing from it: ``torch.manual_seed``/Lightning's ``seed_everything`` make runs
+            repeatable, and the global random stream is left where torch's DataLoader leaves
+            it (a model initialised after building the loader is the same as with torch).
+            Iterating neither draws from it (torch draws a worker seed per ``iter()``). The
             attribute holds the seed in use.
         distributed: shard the dataset across the ranks of the initialised
             ``torch.distributed`` process group, like ``DistributedSampler``.
@@ -219,6 +219,7 @@ class DataLoader(TorchDataLoader):
         return self.epoch, position
 
     def __iter__(self) -> Iterator[Any]:
+        """One epoch: torch's iterator class (``_BaseDataLoaderIter``), kept across epochs."""
         epoch, skip = self._next_epoch()
         self.stats.start_epoch(epoch)
         # torch draws a worker base seed from the global generator for every new iterator;
@@ -226,25 +227,30 @@ class DataLoader(TorchDataLoader):
         with torch.random.fork_rng(devices=[]):
             source = self._epoch_source(epoch, skip)
         self._iterator = source
-        return _EpochIterator(self, source)
+        return source
 
     def _epoch_source(self, epoch: int, skip: int) -> Iterator[Any]:
         if self.num_workers == 0:
-            source = SingleProcessIter(self, epoch, skip)
-        elif not self.persistent_workers:
+            return SingleProcessIter(self, epoch, skip)
+        if not self.persistent_workers:
             source = WorkerPoolIter(self, epoch, skip)
             self.stats.record_worker_startup(source.startup_s)
-        elif self._pool is None:
-            source = self._pool = WorkerPoolIter(self, epoch, skip)
-            self.stats.record_worker_startup(source.startup_s)
+            return source
+        pool = self._pool
+        if pool is not None and pool.needs_restart():  # broken, interrupted, or shut down
+            self._pool = None
+            pool.shutdown()
+            pool = None
+        if pool is None:
+            pool = self._pool = WorkerPoolIter(self, epoch, skip)
+            self.stats.record_worker_startup(pool.startup_s)
         else:
-            source = self._pool
-            source.begin_epoch(self, epoch, skip)
-        return source
+            pool.begin_epoch(self, epoch, skip)
+        return pool
 
     @property
     def worker_pids(self) -> list[int]:
-        """PIDs of the running worker processes (empty when none are running)."""
+        """PIDs of the live worker processes (empty when none are running)."""
         pool = self._pool
         if pool is None or pool._shutdown:
             return []
@@ -308,54 +314,6 @@ class DataLoader(TorchDataLoader):
         self._start_position = position
         self._consumed = 0
         self._epoch_complete = False
-
-
-class _EpochIterator:
-    """What ``iter(loader)`` returns: one epoch, with stats, resume counts and device copies."""
-
-    def __init__(self, loader: DataLoader, source: Iterator[Any]) -> None:
-        self._loader = loader
-        self._source = source
-        self._batches: Iterator[Any] = source
-        if loader._resolved_device is not None:
-            from fastloader.device import DevicePrefetcher
-
-            prefetcher = DevicePrefetcher(
-                _Once(source),
-                loader._resolved_device,
-                depth=loader.device_prefetch,
-                transform=loader.device_transform,
-            )
-            self._batches = iter(prefetcher)
-
-    def __iter__(self) -> _EpochIterator:
-        return self
-
-    def __next__(self) -> Any:
-        loader = self._loader
-        started = time.perf_counter()
-        try:
-            batch = next(self._batches)
-        except StopIteration:
-            loader._epoch_complete = True
-            loader.stats.end_epoch()
-            raise
-        loader.stats.record_batch(time.perf_counter() - started, batch)
-        loader._consumed += 1
-        return batch
-
-    def __len__(self) -> int:
-        return len(self._loader)
-
-
-class _Once:
-    """An iterable whose ``iter()`` returns one given iterator (for the device prefetcher)."""
-
-    def __init__(self, iterator: Iterator[Any]) -> None:
-        self._iterator = iterator
-
-    def __iter__(self) -> Iterator[Any]:
-        return self._iterator
 
 
 def _resolve_device(device: Any, device_prefetch: Any) -> torch.device | None:

@@ -28,6 +28,7 @@ Everything in this module except ``resolve_seed`` runs in the process that loads
 from __future__ import annotations
 
 import _random
+import hashlib
 import operator
 import random
 import zlib
@@ -77,33 +78,53 @@ _python_rng = random._inst
 _seed_python_rng = _random.Random.seed
 
 
+_MASK63 = (1 << 63) - 1
+
+
 def seed_rngs(seed: int) -> None:
-    """Seed ``random``, ``numpy.random`` (global) and torch's default CPU generator."""
+    """Seed ``random``, ``numpy.random`` (global) and torch's default CPU generator.
+
+    torch gets the low 63 bits, so ``torch.initial_seed()`` fits in an int64 as torch's own
+    worker seeds do (a dataset may return it, and collating it must not overflow).
+    """
     _seed_python_rng(_python_rng, seed)
     _python_rng.gauss_next = None
     np.random.seed(seed & 0xFFFFFFFF)
-    torch.default_generator.manual_seed(seed)
+    torch.default_generator.manual_seed(seed & _MASK63)
 
 
 def resolve_seed(seed: int | None, generator: torch.Generator | None) -> int:
-    """Return ``seed``, or draw one from ``generator`` (or torch's default) when it is None.
+    """Return ``seed``, or, when it is None, one derived from ``generator``'s current state.
+
+    The state of ``generator`` (torch's default generator when None) is hashed, not drawn
+    from: building a loader leaves the global random stream exactly where torch's DataLoader
+    leaves it, so a model initialised after the loader is the same as with torch, while
+    ``torch.manual_seed(s)`` before the loader still makes the seed repeatable. Two loaders
+    built with no draw between them get the same seed.
 
     Raises:
         TypeError: if ``seed`` is neither an int nor None.
     """
     if seed is None:
-        drawn = torch.empty((), dtype=torch.int64).random_(generator=generator).item()
-        return int(drawn)
+        source = generator if generator is not None else torch.default_generator
+        state = source.get_state().numpy().tobytes()
+        return int.from_bytes(hashlib.blake2b(state, digest_size=8).digest(), "little") >> 1
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise TypeError(f"seed must be an int or None, got {type(seed).__name__}: {seed!r}")
     return int(seed)
 
 
 class Task(NamedTuple):
-    """What the main process sends a worker: the epoch and the (batch of) indices to load."""
+    """What the main process sends a worker: the epoch and the (batch of) indices to load.
+
+    ``number`` is torch's task number (``send_idx``) when the task goes to a worker process;
+    the worker records it while loading, so a death is blamed on the right task (NOTE
+    [ Supervised workers ] in _supervision.py).
+    """
 
     epoch: int
     indices: Any
+    number: int = -1
 
 
 def _annotate(error: BaseException, index: Any, epoch: int) -> None:
@@ -121,9 +142,11 @@ class SeededDataset:
     ``get_worker_info().dataset`` is pointed back at the user's dataset).
     """
 
-    def __init__(self, dataset: Any, seed: int) -> None:
+    def __init__(self, dataset: Any, seed: int, progress: Any = None) -> None:
         self.dataset = dataset
         self.seed = seed
+        self.progress = progress  # shared array: slot -> number of the task being loaded
+        self.slot = 0  # set in each worker by _WorkerInit
         self._batched = callable(getattr(dataset, "__getitems__", None))
         self._seeds_each_in_batch = callable(getattr(dataset, "getitems_with", None))
 
@@ -136,9 +159,13 @@ class SeededDataset:
             raise
 
     def __getitem__(self, task: Task) -> Any:
+        if self.progress is not None:
+            self.progress[self.slot] = task.number
         return self._load(task.indices, task.epoch, _epoch_key(self.seed, task.epoch))
 
     def __getitems__(self, task: Task) -> list:
+        if self.progress is not None:
+            self.progress[self.slot] = task.number
         indices = list(task.indices)
         if self._seeds_each_in_batch:
             return self._load_seeding_each(indices, task.epoch)

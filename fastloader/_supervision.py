@@ -1,0 +1,204 @@
+"""Worker supervision bookkeeping, in the main process: deaths, warnings, poison samples, stalls.
+
+NOTE [ Supervised workers ]
+
+Every task a worker is sent carries its epoch and indices, and every sample is seeded from
+(seed, epoch, index) (NOTE [ Seeding contract ] in seeding.py), so a task lost with its worker
+can be loaded again by another process with an identical result. The pool iterator
+(``WorkerPoolIter`` in _iterators.py) therefore keeps each task until its result arrives; when
+it finds a worker dead (the data queue stays empty for a short poll, or an epoch starts), it
+warns once for that death, starts a replacement in the same slot, and re-sends the dead
+worker's unfinished tasks with their original task numbers, so torch's in-order delivery puts
+every batch back where it belongs. A result that arrives twice (the dead worker had sent it
+just before dying) is dropped.
+
+Each worker writes the number of the task it is loading into a shared array before loading
+it, so a death is blamed on that task only. A task blamed for ``POISON_DEATHS`` deaths is a
+poison sample: it becomes an error result for its batch (like an exception in
+``dataset[i]``), naming the epoch and indices, and the epoch goes on. A slot whose
+replacements keep dying without delivering anything means workers cannot be restored: the
+pool is marked broken and every epoch raises ``WorkersLostError``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import warnings
+from typing import Any
+
+from torch._utils import ExceptionWrapper
+
+from fastloader._worker_guard import STACK_SIGNAL, stack_file
+
+POISON_DEATHS = 3  # deaths blamed on one task before it is reported as a poison sample
+RESTARTS_WITHOUT_PROGRESS = 5  # replacements of one slot in a row that deliver nothing
+POLL_S = 0.1  # how long the main process waits on the data queue before checking workers
+
+
+class PoisonSampleError(RuntimeError):
+    """A task that killed the worker loading it ``POISON_DEATHS`` times."""
+
+
+class WorkersLostError(RuntimeError):
+    """Worker processes die faster than they can be replaced."""
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """Say how a worker process ended, from its ``exitcode``."""
+    if exitcode is None:
+        return "ended (exit status unknown)"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        text = f"was killed by {name}"
+        if -exitcode == signal.SIGKILL:
+            text += " (likely the OOM killer: check memory use per worker)"
+        elif -exitcode == signal.SIGSEGV:
+            text += " (a crash in native code)"
+        return text
+    if exitcode == 0:
+        return "exited with code 0 (for example after Ctrl-C reached the process group)"
+    return f"exited with code {exitcode}"
+
+
+def warn_death(slot: int, pid: int | None, exitcode: int | None, resent: int) -> None:
+    """Warn once about one worker's death."""
+    warnings.warn(
+        f"fastloader: DataLoader worker {slot} (pid {pid}) {describe_exit(exitcode)}; "
+        f"started a replacement and re-sent its {resent} unfinished batch(es). "
+        "The epoch's batches are unchanged.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+class _ErrorResult(ExceptionWrapper):
+    """A batch result that raises ``error`` where torch re-raises a worker's exception."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def reraise(self) -> None:
+        raise self.error
+
+
+def error_result(error: BaseException) -> ExceptionWrapper:
+    """An error in the form torch's iterator re-raises for one batch."""
+    return _ErrorResult(error)
+
+
+class DeathLedger:
+    """Counts deaths per task and restarts per slot, and decides what a death means."""
+
+    def __init__(self) -> None:
+        self.deaths_by_task: dict[int, list[str]] = {}
+        self.restarts_without_progress: dict[int, int] = {}
+
+    def reset(self) -> None:
+        """Task numbers start again from 0 (torch's ``_reset``)."""
+        self.deaths_by_task.clear()
+
+    def blame(self, task_number: int, exitcode: int | None) -> int:
+        """Record a death while loading ``task_number``; return the deaths blamed on it."""
+        causes = self.deaths_by_task.setdefault(task_number, [])
+        causes.append(describe_exit(exitcode))
+        return len(causes)
+
+    def poison_message(self, task_number: int, task: Any) -> str:
+        causes = "; ".join(self.deaths_by_task.get(task_number, []))
+        epoch = getattr(task, "epoch", "?")
+        indices = getattr(task, "indices", task)
+        return (
+            f"fastloader: loading sample indices {indices!r} of epoch {epoch} killed the "
+            f"DataLoader worker {POISON_DEATHS} times ({causes}). This is likely a poison "
+            "sample (a crash or runaway memory in dataset[i] or collate_fn for these indices). "
+            "This batch is skipped with this error; the epoch goes on."
+        )
+
+    def restarted(self, slot: int) -> bool:
+        """Record a replacement of ``slot``; False once it keeps dying without progress."""
+        count = self.restarts_without_progress.get(slot, 0) + 1
+        self.restarts_without_progress[slot] = count
+        return count <= RESTARTS_WITHOUT_PROGRESS
+
+    def progressed(self, slot: int) -> None:
+        if self.restarts_without_progress:
+            self.restarts_without_progress.pop(slot, None)
+
+
+def stall_message(
+    timeout: float, holdings: dict[int, tuple[int | None, list[Any], Any]], stacks: dict[int, str]
+) -> str:
+    """The error for ``timeout``: which worker holds which indices, and its Python stack.
+
+    Args:
+        timeout: the DataLoader's timeout in seconds.
+        holdings: slot -> (pid, unfinished tasks, the task it is loading or None).
+        stacks: slot -> the text faulthandler dumped for that worker ("" if none).
+    """
+    lines = [f"DataLoader timed out after {timeout:g} seconds"]
+    for slot, (pid, tasks, current) in sorted(holdings.items()):
+        if not tasks:
+            continue
+        held = ", ".join(_describe_task(t) for t in tasks)
+        lines.append(f"worker {slot} (pid {pid}) holds {held}")
+        if current is not None:
+            lines.append(f"  it is loading {_describe_task(current)}")
+        stack = stacks.get(slot, "").strip()
+        if stack:
+            lines.append(f"  Python stack of worker {slot}:")
+            lines.extend("    " + line for line in stack.splitlines())
+    return "\n".join(lines)
+
+
+def _describe_task(task: Any) -> str:
+    epoch = getattr(task, "epoch", None)
+    indices = getattr(task, "indices", task)
+    return f"indices {indices!r}" + ("" if epoch is None else f" (epoch {epoch})")
+
+
+def dump_stacks(folder: str, workers: list[tuple[int, int]]) -> dict[int, str]:
+    """Ask each (slot, pid) worker for its Python stack (NOTE [ Worker stacks on timeout ])."""
+    files = {}
+    for slot, pid in workers:
+        path = stack_file(folder, slot, pid)
+        if STACK_SIGNAL is None or not os.path.exists(path):
+            continue  # a worker without the handler would die of the signal
+        start = os.path.getsize(path)
+        try:
+            os.kill(pid, STACK_SIGNAL)
+        except OSError:
+            continue
+        files[slot] = (path, start)
+    stacks = {}
+    deadline = time.monotonic() + 2.0
+    for slot, (path, start) in files.items():
+        text = ""
+        while time.monotonic() < deadline and "File " not in text:
+            time.sleep(0.05)
+            with open(path) as file:
+                file.seek(start)
+                text = file.read()
+        stacks[slot] = text
+    return stacks
+
+
+def release_orphaned_write_lock(result_queue: Any) -> None:
+    """Release the result queue's write lock if a dead worker left it taken.
+
+    A worker killed while writing a result leaves the multiprocessing queue's write lock taken
+    and every other worker blocked behind it. Results are small (tensors travel through shared
+    memory), and this runs after the queue stayed empty for a poll, so a lock still held half
+    a second later is the dead worker's.
+    """
+    lock = getattr(result_queue, "_wlock", None)
+    if lock is None:
+        return
+    if not lock.acquire(timeout=0.5):
+        lock.release()
+        return
+    lock.release()

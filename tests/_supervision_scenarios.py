@@ -1,0 +1,226 @@
+"""Scenarios for tests/test_supervision.py, each run as its own process: python this.py NAME.
+
+Each prints one JSON line with what it saw; the test asserts on it. Workers are killed for
+real (SIGKILL, SIGINT to the process group, a crash in dataset[i]), so a scenario that goes
+wrong is seen as a crash or a timeout of the child process, not of the test runner.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+import warnings
+
+import torch
+from torch.utils.data import Dataset
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _datasets import RandomDraws  # noqa: E402
+
+from fastloader import DataLoader  # noqa: E402
+
+EPOCHS = 3
+
+
+class SlowDraws(RandomDraws):
+    """RandomDraws without the pid, a little slow so that workers are busy when killed."""
+
+    def __getitem__(self, i):
+        time.sleep(0.005)
+        return super().__getitem__(i)[0]
+
+
+class KillsItsWorker(Dataset):
+    """Sample 5 kills the process that loads it (a segfault in a C extension, say)."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        if i == 5 and torch.utils.data.get_worker_info() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return i
+
+
+class Hangs(Dataset):
+    """Sample 6 never finishes."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        if i == 6:
+            time.sleep(600)
+        return i
+
+
+def _loader(**kwargs):
+    options = dict(batch_size=4, shuffle=True, num_workers=2, seed=11)
+    options.update(kwargs)
+    return DataLoader(SlowDraws(48), **options)
+
+
+def _epochs(loader, hook=None):
+    epochs = []
+    for epoch in range(EPOCHS):
+        batches = []
+        for step, batch in enumerate(loader):
+            batches.append(batch.tolist())
+            if hook is not None:
+                hook(loader, epoch, step)
+        epochs.append(batches)
+    return epochs
+
+
+def kills():
+    """Kill one worker / all workers mid-epoch, and one between epochs; compare to clean."""
+    reference = _epochs(_loader())
+    report = {"deaths_warned": {}, "equal": {}, "pids_after_kill": {}, "live_after_heal": {}}
+
+    def kill_one(loader, epoch, step):
+        if (epoch, step) == (1, 3):
+            pid = loader.worker_pids[0]
+            os.kill(pid, signal.SIGKILL)
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+            report["pids_after_kill"]["one"] = pid in loader.worker_pids
+
+    def kill_all(loader, epoch, step):
+        if (epoch, step) == (1, 3):
+            for pid in loader.worker_pids:
+                os.kill(pid, signal.SIGKILL)
+
+    def kill_between(loader, epoch, step):
+        if (epoch, step) == (0, 11):  # the last batch of epoch 0
+            os.kill(loader.worker_pids[1], signal.SIGKILL)
+            deadline = time.monotonic() + 1.0
+            total = 0
+            while time.monotonic() < deadline:  # user code runs while the worker is dead
+                total += sum(range(1000))
+
+    for name, hook in (("one", kill_one), ("all", kill_all), ("between", kill_between)):
+        loader = _loader()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            report["equal"][name] = _epochs(loader, hook) == reference
+        report["deaths_warned"][name] = [
+            str(w.message) for w in caught if "DataLoader worker" in str(w.message)
+        ]
+        pids = loader.worker_pids
+        report["live_after_heal"][name] = len(pids) == 2 and all(_alive(p) for p in pids)
+        loader.close()
+    print(json.dumps(report), flush=True)
+
+
+def interrupted():
+    """Wait for SIGINT to the whole process group during epoch 1, then finish the epochs."""
+    reference = _epochs(_loader(num_workers=0))
+    loader = _loader()
+    got, interrupts = [], 0
+    epoch = 0
+    old_pids = None
+    while epoch < EPOCHS:
+        batches = []
+        try:
+            for step, batch in enumerate(loader):
+                batches.append(batch.tolist())
+                if epoch == 1 and step == 2 and interrupts == 0:
+                    old_pids = loader.worker_pids
+                    print("READY", flush=True)
+                    time.sleep(30)  # the test sends SIGINT to the process group now
+        except KeyboardInterrupt:
+            interrupts += 1
+            loader.set_epoch(epoch)  # run the interrupted epoch again
+            continue
+        got.append(batches)
+        epoch += 1
+    new_pids = loader.worker_pids
+    report = {
+        "equal": got == reference,
+        "interrupts": interrupts,
+        "fresh_workers": bool(old_pids) and not set(old_pids) & set(new_pids),
+        "workers": len(new_pids),
+    }
+    loader.close()
+    print(json.dumps(report), flush=True)
+
+
+def poison():
+    """A sample that kills its worker every time: an error naming epoch and indices."""
+    loader = DataLoader(KillsItsWorker(), batch_size=2, num_workers=2)
+    epochs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            results = []
+            iterator = iter(loader)
+            while True:
+                try:
+                    results.append(next(iterator).tolist())
+                except StopIteration:
+                    break
+                except RuntimeError as error:
+                    results.append(f"{type(error).__name__}: {error}")
+            epochs.append(results)
+    loader.close()
+    print(json.dumps({"epochs": epochs}), flush=True)
+
+
+def unrestorable():
+    """Workers that die at start-up: every epoch raises, none is empty or short."""
+    loader = DataLoader(range(8), batch_size=2, num_workers=2, worker_init_fn=_die_if_marked)
+    outcomes = [len(list(loader))]
+    os.environ["FASTLOADER_TEST_DIE"] = "1"  # replacements now die as they start
+    for pid in loader.worker_pids:
+        os.kill(pid, signal.SIGKILL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            try:
+                outcomes.append(len(list(loader)))
+            except RuntimeError as error:
+                outcomes.append(f"{type(error).__name__}: {error}")
+    loader.close()
+    print(json.dumps({"outcomes": outcomes}), flush=True)
+
+
+def _die_if_marked(worker_id):
+    if os.environ.get("FASTLOADER_TEST_DIE") == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def orphan():
+    """Print the worker pids while they are inside a long dataset[i]; the test kills us."""
+    loader = DataLoader(Hangs(), batch_size=2, num_workers=2)
+    iterator = iter(loader)
+    next(iterator)
+    next(iterator)
+    time.sleep(0.5)  # worker 1 is now inside dataset[6]
+    print(json.dumps({"pids": loader.worker_pids}), flush=True)
+    time.sleep(600)
+
+
+def stalled():
+    """timeout fires while a worker is stuck: the error names it, its indices, its stack."""
+    loader = DataLoader(Hangs(), batch_size=2, num_workers=2, timeout=2)
+    try:
+        list(loader)
+        message = None
+    except RuntimeError as error:
+        message = str(error)
+    pids = loader.worker_pids
+    loader.close()
+    print(json.dumps({"message": message, "pids": pids}), flush=True)
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]]()

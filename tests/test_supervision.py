@@ -1,0 +1,123 @@
+"""Supervised workers: deaths healed with identical batches, poison samples, no orphans, stalls.
+
+Every scenario runs in its own process (tests/_supervision_scenarios.py), bounded in time.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+SCENARIOS = os.path.join(os.path.dirname(__file__), "_supervision_scenarios.py")
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc")
+
+
+def _run(name: str, timeout: float = 120) -> dict:
+    result = subprocess.run(
+        [sys.executable, SCENARIOS, name], capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_killed_workers_are_replaced_and_every_epoch_equals_a_clean_run():
+    report = _run("kills")
+    assert report["equal"] == {"one": True, "all": True, "between": True}
+    assert report["pids_after_kill"]["one"] is False  # worker_pids lists live workers only
+    assert report["live_after_heal"] == {"one": True, "all": True, "between": True}
+    warned = report["deaths_warned"]
+    assert [len(warned[k]) for k in ("one", "all", "between")] == [1, 2, 1]  # one per death
+    assert all("SIGKILL" in w and "likely the OOM killer" in w for k in warned for w in warned[k])
+    assert all("pid" in w for k in warned for w in warned[k])
+
+
+def test_ctrl_c_to_the_process_group_raises_in_the_loop_and_next_epoch_has_fresh_workers():
+    child = subprocess.Popen(
+        [sys.executable, SCENARIOS, "interrupted"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert child.stdout.readline().strip() == "READY"
+        os.killpg(child.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
+        out, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+    assert child.returncode == 0, err[-3000:]
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report == {"equal": True, "interrupts": 1, "fresh_workers": True, "workers": 2}
+
+
+def test_a_sample_that_kills_its_worker_three_times_raises_naming_epoch_and_indices():
+    epochs = _run("poison")["epochs"]
+    for epoch, results in enumerate(epochs):
+        assert len(results) == 8  # never a short epoch: the poisoned batch is an error
+        assert results[:2] == [[0, 1], [2, 3]] and results[3:] == [
+            [6, 7],
+            [8, 9],
+            [10, 11],
+            [12, 13],
+            [14, 15],
+        ]
+        error = results[2]
+        assert error.startswith("PoisonSampleError")
+        assert "[4, 5]" in error and f"epoch {epoch}" in error and "3 times" in error
+
+
+def test_workers_that_cannot_be_restored_make_every_epoch_raise():
+    outcomes = _run("unrestorable")["outcomes"]
+    assert outcomes[0] == 4
+    assert len(outcomes) == 3
+    for outcome in outcomes[1:]:
+        assert isinstance(outcome, str) and outcome.startswith("WorkersLostError"), outcome
+        assert "cannot be restored" in outcome
+
+
+def test_workers_exit_soon_after_the_main_process_is_killed_inside_a_long_getitem():
+    child = subprocess.Popen(
+        [sys.executable, SCENARIOS, "orphan"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        pids = json.loads(child.stdout.readline())["pids"]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        child.kill()
+        child.wait(timeout=30)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in pids), "workers outlived the main process"
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+
+
+def test_timeout_names_the_stuck_worker_its_indices_and_shows_its_stack():
+    report = _run("stalled")
+    message = report["message"]
+    assert message is not None and message.startswith("DataLoader timed out after 2 seconds")
+    assert "worker 1 (pid" in message
+    assert "it is loading indices [6, 7] (epoch 0)" in message
+    assert "Python stack of worker 1" in message
+    assert "in __getitem__" in message and "_supervision_scenarios.py" in message
