@@ -26,6 +26,7 @@ from fastloader.stats import LoaderStats
 
 T_co = TypeVar("T_co", covariant=True)
 
+
 def resolve_num_workers(num_workers: int | str) -> Any:
     """Return a worker count from the CPUs this process may use for "auto", else ``num_workers``.
 
