@@ -92,17 +92,22 @@ class PackedDataset(PackFile, Dataset):
         file's memory before any copy).
         """
         fused = fuse(self.transform) if self.decode != "bytes" else None
-        if fused is None:
-            return self.apply_transforms(self._decoded(position, buffer))
-        record = self._record(position, buffer)
-        if record.kind is RecordKind.RAW:
-            pixels = np.frombuffer(record.payload, dtype=np.uint8).reshape(record.shape)
-            image = fused.apply_raw(pixels, self.decode)
-        else:
-            where = f"{self.path} record {position}"
+        where = f"{self.path} record {position}"
+        if fused is None:  # decoded, checked (NOTE [ Checksum after the copy ]), transformed
+
+            def decode(record: Record) -> tuple[Any, int]:
+                return decode_image(record, self.decode, where), record.label
+
+            return self.apply_transforms(self._checked(position, buffer, decode))
+
+        def fused_decode(record: Record) -> tuple[Any, int]:
+            if record.kind is RecordKind.RAW:
+                pixels = np.frombuffer(record.payload, dtype=np.uint8).reshape(record.shape)
+                return fused.apply_raw(pixels, self.decode), record.label
             plain = lambda: decode_image(record, self.decode, where)  # noqa: E731
-            image = fused.apply_encoded(record.payload, plain, self.decode)
-        label = record.label
+            return fused.apply_encoded(record.payload, plain, self.decode), record.label
+
+        image, label = self._checked(position, buffer, fused_decode)
         if self.target_transform is not None:
             label = self.target_transform(label)
         return image, label
@@ -121,12 +126,6 @@ class PackedDataset(PackFile, Dataset):
             f"{type(self).__name__}({str(self.path)!r}, {len(self)} samples, "
             f"{len(self.classes)} classes, store={self.store!r}, decode={self.decode!r})"
         )
-
-    def _decoded(self, position: int, buffer: Any) -> tuple[Any, int]:
-        record = self._record(position, buffer)
-        return decode_image(
-            record, self.decode, where=f"{self.path} record {position}"
-        ), record.label
 
 
 def decode_image(record: Record, mode: str, where: str = "record") -> Any:

@@ -42,6 +42,7 @@ STORE_MODES = ("encoded", "raw", "jpeg")
 
 _HEADER = struct.Struct("<2sBBIIIqQ")
 _SIGNED = 24  # the header bytes before the checksum
+_STORED = struct.Struct("<Q")
 HEADER_SIZE = _HEADER.size
 _MAGIC = b"FL"
 _hash = xxhash.xxh3_64_intdigest
@@ -71,6 +72,21 @@ class Record(NamedTuple):
 def checksum(header: bytes | memoryview, payload: bytes | memoryview) -> int:
     """The checksum of a record: see NOTE [ Record checksums ]."""
     return _hash(payload, _hash(header))
+
+
+def checksum_error(buffer: bytes | memoryview, where: str = "record") -> PackError | None:
+    """The error of a record whose checksum does not match its bytes, else None.
+
+    ``buffer`` is a whole record of at least ``HEADER_SIZE`` bytes; it is hashed in place.
+    """
+    view = memoryview(buffer)
+    stored = _STORED.unpack_from(view, _SIGNED)[0]
+    actual = checksum(view[:_SIGNED], view[HEADER_SIZE:])
+    if actual == stored:
+        return None
+    return PackError(
+        f"{where}: damaged record (checksum mismatch: stored {stored:016x}, computed {actual:016x})"
+    )
 
 
 def encode_record(
@@ -131,12 +147,9 @@ def decode_record(buffer: bytes | memoryview, where: str = "record", verify: boo
         raise PackError(f"{where}: truncated record ({len(view)} bytes, header needs 32)")
     magic, kind, channels, height, width, length, label, stored = _HEADER.unpack_from(view)
     if verify:
-        actual = checksum(view[:_SIGNED], view[HEADER_SIZE:])
-        if actual != stored:
-            raise PackError(
-                f"{where}: damaged record (checksum mismatch: stored {stored:016x}, "
-                f"computed {actual:016x})"
-            )
+        damaged = checksum_error(view, where)
+        if damaged is not None:
+            raise damaged
     if magic != _MAGIC or kind not in (RecordKind.ENCODED, RecordKind.RAW):
         raise PackError(f"{where}: not a fastloader record (bad header)")
     if len(view) - HEADER_SIZE != length:
