@@ -25,6 +25,7 @@ from fastloader.formats.records import (
     PackError,
     Record,
     checksum_error,
+    checksum_matches,
     decode_record,
 )
 
@@ -244,13 +245,13 @@ class PackFile:
         if not self.verify_checksums:
             return use(self._record(position, buffer))
         record = self._record(position, buffer, checked_later=True)
-        where = f"{self.path} record {position}"
         try:
             result = use(record)
         except Exception as error:
-            self._raise_if_damaged(buffer, where, error)
+            self._raise_if_damaged(buffer, f"{self.path} record {position}", error)
             raise
-        self._raise_if_damaged(buffer, where, None)
+        if not checksum_matches(buffer):
+            self._raise_if_damaged(buffer, f"{self.path} record {position}", None)
         return result
 
     @staticmethod

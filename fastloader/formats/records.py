@@ -74,6 +74,15 @@ def checksum(header: bytes | memoryview, payload: bytes | memoryview) -> int:
     return _hash(payload, _hash(header))
 
 
+def checksum_matches(buffer: bytes | memoryview) -> bool:
+    """Whether a whole record's bytes (at least ``HEADER_SIZE``) match its stored checksum.
+
+    The fast path of every checked read: hashed in place, no Python frame but this one.
+    """
+    view = buffer if type(buffer) is memoryview else memoryview(buffer)
+    return _hash(view[HEADER_SIZE:], _hash(view[:_SIGNED])) == _STORED.unpack_from(view, _SIGNED)[0]
+
+
 def checksum_error(buffer: bytes | memoryview, where: str = "record") -> PackError | None:
     """The error of a record whose checksum does not match its bytes, else None.
 
