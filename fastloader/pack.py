@@ -94,7 +94,7 @@ class PackSummary:
         return (
             f"packed {self.count} images of {len(self.classes)} classes into {self.path} "
             f"({self.format}, store={self.store}, {human_size(self.size_bytes)}) "
-            f"in {self.seconds:.1f} s"
+            f"in {self.seconds:.{1 if self.seconds >= 1 else 2}f} s"  # a quick pack is not "0.0 s"
         )
 
     def __str__(self) -> str:

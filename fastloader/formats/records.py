@@ -19,11 +19,11 @@ memory speed (about 90 GB/s per core for a 200 KB raw record in cache here, 2.2 
 CRC32C in Python (``crc32c``/``google-crc32c``) runs at a few GB/s and zlib's CRC32 slower
 still. Reads verify after the decode, while the bytes are in cache (NOTE [ Checksum after the
 copy ] in packfile.py): about 3% of a raw read with a crop and resize, but ~20% of one that only
-copies the pixels out, since the hash then reads as many bytes as the copy. A 64-bit hash also makes an undetected random
-corruption practically impossible (2^-64), where a 32-bit CRC leaves 1 in 4 billion. The header
-and payload are hashed in place (two calls, the header's digest seeding the payload's), so
-verifying copies nothing. The metadata, labels, offsets and source paths have checksums of
-their own (see metadata.py).
+copies the pixels out, since the hash then reads as many bytes as the copy. A 64-bit hash also
+makes an undetected random corruption practically impossible (2^-64), where a 32-bit CRC leaves
+1 in 4 billion. The header and payload are hashed in place (two calls, the header's digest
+seeding the payload's), so verifying copies nothing. The metadata, labels, offsets and source
+paths have checksums of their own (see metadata.py).
 
 Format version 2 added the checksum; version-1 packs (no checksums) are refused with a message
 that says to re-pack them (see metadata.load_metadata).
