@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import io
 import signal
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
-import torch
 from PIL import Image, UnidentifiedImageError
 
 from fastloader.formats import RecordKind, encode_record
@@ -25,6 +25,7 @@ from fastloader.formats.images import (
     strict_decoding,
     to_rgb,
 )
+from fastloader.formats.packfile import is_tensor
 
 
 @dataclass(frozen=True)
@@ -141,8 +142,12 @@ class DatasetEncoder:
 
 
 def check_label(label: Any, index: int, num_classes: int | None) -> int:
-    if isinstance(label, torch.Tensor) and label.numel() == 1:
-        if not (label.is_floating_point() or label.is_complex() or label.dtype == torch.bool):
+    if is_tensor(label) and label.numel() == 1:
+        if not (
+            label.is_floating_point()
+            or label.is_complex()
+            or label.dtype == sys.modules["torch"].bool
+        ):
             label = label.item()
     if isinstance(label, np.integer):
         label = int(label)
@@ -159,7 +164,7 @@ def _as_image(image: Any, index: int) -> Image.Image | bytes:
         return bytes(image)
     if isinstance(image, Image.Image):
         return image
-    if isinstance(image, torch.Tensor):
+    if is_tensor(image):
         image = image.detach().cpu()
         image = (image.permute(1, 2, 0) if image.ndim == 3 else image).numpy()  # CHW -> HWC
     if (

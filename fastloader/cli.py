@@ -30,10 +30,11 @@ from typing import Any
 # `--help` and usage errors must answer at once, and torch alone takes seconds to import on a
 # loaded machine. So this module imports only the standard library; torch, NumPy, PIL, h5py and
 # lmdb come in with the library module a command calls (fastloader.pack for packing,
-# fastloader.formats for --info), inside the function that runs that command. fastloader's
-# __init__ is lazy for the same reason (see NOTE [ Lazy public API ]). The choices below repeat
-# fastloader.formats.FORMATS / STORE_MODES (tests/test_cli.py checks they agree).
-# benchmarks/cli_startup.py measures the commands' start-up.
+# fastloader.formats for --info and --verify), inside the function that runs that command; and
+# those import no torch either (NOTE [ Torch-free pack files ] in formats/__init__.py), unless a
+# dataset is packed. fastloader's __init__ is lazy for the same reason (see NOTE [ Lazy public
+# API ]). The choices below repeat fastloader.formats.FORMATS / STORE_MODES (tests/test_cli.py
+# checks they agree). benchmarks/cli_startup.py measures the commands' start-up.
 
 # NOTE [ Fast exit ]
 # Once torch is imported, the interpreter's final garbage collections walk its millions of
@@ -189,7 +190,7 @@ def describe(path: str) -> str:
 
 
 def _human_size(size: float) -> str:
-    from fastloader.pack import human_size
+    from fastloader.formats.metadata import human_size
 
     return human_size(size)
 
@@ -275,7 +276,7 @@ def _run_verify(path: str, quiet: bool, prog: str) -> int:
         )
         return 2
     try:
-        return run_cli(path, quiet=quiet)
+        return run_cli(path, quiet=quiet, prog=prog)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -48,6 +48,7 @@ from fastloader.formats import (
     format_from_suffix,
     open_writer,
 )
+from fastloader.formats.metadata import human_size
 
 __all__ = ["IMG_EXTENSIONS", "BadImageError", "PackSummary", "pack", "scan_image_folder"]
 
@@ -93,7 +94,7 @@ class PackSummary:
         return (
             f"packed {self.count} images of {len(self.classes)} classes into {self.path} "
             f"({self.format}, store={self.store}, {human_size(self.size_bytes)}) "
-            f"in {self.seconds:.1f} s"
+            f"in {self.seconds:.{1 if self.seconds >= 1 else 2}f} s"  # a quick pack is not "0.0 s"
         )
 
     def __str__(self) -> str:
@@ -108,15 +109,6 @@ class PackSummary:
             if len(self.skipped) > 20:
                 lines.append(f"  ... and {len(self.skipped) - 20} more")
         return "\n".join(lines)
-
-
-def human_size(size: float) -> str:
-    """Return a byte count in binary units, e.g. ``"1.5 MiB"``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"
 
 
 def scan_image_folder(root: str | os.PathLike) -> tuple[list[tuple[str, int]], list[str]]:

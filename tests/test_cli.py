@@ -494,3 +494,39 @@ def test_fastloader_command_packs_describes_and_explains(folder, tmp_path, capsy
     assert fastloader_main(["bench", "--only", "nothing"]) == 2
     assert fastloader_main(["frobnicate"]) == 2
     assert "invalid choice: 'frobnicate'" in capsys.readouterr().err
+
+
+def _imported_top_level(importtime_stderr: str) -> set[str]:
+    """The top-level packages a process imported, from its ``python -X importtime`` stderr."""
+    names = set()
+    for line in importtime_stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            names.add(line.rsplit("|", 1)[1].strip().split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("suffix", [".lmdb", ".h5"])
+def test_packing_info_and_verify_import_no_torch(folder, tmp_path, suffix):
+    # NOTE [ Torch-free pack files ]: these commands answer without torch's seconds of import.
+    # The real console entry, run as a program; -X importtime lists every module it imports
+    # (forked packing workers import nothing new: they inherit the parent's modules).
+    target = tmp_path / f"p{suffix}"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    runs = {
+        "pack": [str(folder), str(target), "--store", "raw", "--workers", "2", "-q"],
+        "info": ["--info", str(target)],
+        "verify": ["--verify", str(target)],
+    }
+    for what, argv in runs.items():
+        run = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "fastloader.cli", *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+        assert run.returncode == 0, (what, run.stderr[-2000:])
+        imported = _imported_top_level(run.stderr)
+        assert "fastloader" in imported and "numpy" in imported  # the listing is real
+        assert "torch" not in imported, what
+    assert f"{target}: OK: 13 records" in run.stdout  # the last run: verify

@@ -17,6 +17,7 @@ from PIL import Image
 
 from fastloader import DataLoader, HDF5Dataset, LMDBDataset, PackError, open_pack, read_metadata
 from fastloader.formats import (
+    DECODE_MODES,
     RecordKind,
     decode_record,
     encode_record,
@@ -24,6 +25,7 @@ from fastloader.formats import (
     open_writer,
 )
 from fastloader.formats.metadata import _canonical, array_checksum
+from fastloader.transforms import CenterCrop, Compose, PILToTensor
 
 FORMATS = {"lmdb": (".lmdb", LMDBDataset), "hdf5": (".h5", HDF5Dataset)}
 CLASSES = ["cat", "dog", "fish"]
@@ -284,6 +286,50 @@ def test_corrupt_record_names_the_record(tmp_path):
     with pytest.raises(PackError, match="p.lmdb record 4: truncated record"):
         unchecked[4]
     assert unchecked[5][1] == 2  # read without the check: the flipped pixel goes unnoticed
+
+
+# (what is damaged, record kind, byte offset in the record): the payload, the label, the shape
+DAMAGES = [
+    ("raw payload", "raw", -5),
+    ("encoded payload", "encoded", 33),  # the PNG signature: the image no longer decodes
+    ("label", "raw", 16),
+    ("height", "raw", 4),
+]
+
+
+@pytest.mark.parametrize("what, store, offset", DAMAGES, ids=[d[0] for d in DAMAGES])
+def test_every_read_path_reports_the_checksum_mismatch_before_any_transform(
+    tmp_path, what, store, offset
+):
+    # NOTE [ Checksum after the copy ]: the hash runs after the decode, but covers as much.
+    path = tmp_path / "p.lmdb"
+    _write(path, "lmdb", store=store, count=4)
+    env = lmdb.open(str(path), subdir=False, lock=False)
+    with env.begin(write=True) as txn:
+        key = (2).to_bytes(8, "big")
+        record = bytearray(txn.get(key))
+        record[offset] ^= 0x24
+        txn.put(key, bytes(record))
+    env.close()
+    seen = []
+
+    def spy(image):
+        seen.append(image)
+        return image
+
+    readers = [LMDBDataset(path, transform=spy, decode=mode) for mode in DECODE_MODES]
+    fused = Compose([CenterCrop(4), PILToTensor()])
+    readers.append(LMDBDataset(path, transform=fused, target_transform=spy, decode="tensor"))
+    for dataset in readers:
+        assert dataset[1][1] == 1 and dataset[3][1] == 0  # the records around it are fine
+        seen.clear()
+        with pytest.raises(PackError, match=r"p.lmdb record 2: damaged record \(checksum mis"):
+            dataset[2]
+        with pytest.raises(PackError, match=r"p.lmdb record 2: damaged record \(checksum mis"):
+            dataset.__getitems__([1, 2])
+        assert len(seen) <= 1  # record 1 of the batch only: no transform saw record 2
+        with pytest.raises(PackError, match=r"p.lmdb record 2: damaged record \(checksum mis"):
+            dataset.read_record(2)
 
 
 def test_undecodable_stored_image_names_the_record(tmp_path, fmt):

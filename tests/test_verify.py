@@ -3,6 +3,11 @@ listed, the exit status says whether the pack can be trusted."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import lmdb
 import numpy as np
 import pytest
@@ -89,3 +94,51 @@ def test_a_file_that_cannot_be_opened_exits_2(tmp_path, fmt, capsys):
     assert "absent.lmdb" in capsys.readouterr().err
     with pytest.raises(PackError, match=str(path)):
         fastloader.verify(path)
+
+
+# --- the console commands, run as programs ---------------------------------------------------
+
+# command name -> (python -m MODULE, its verify argument)
+VERIFY_COMMANDS = {
+    "fastloader-pack": ("fastloader.cli", "--verify"),
+    "fastloader verify": ("fastloader", "verify"),
+}
+
+
+def _run_command(command: str, path: Path) -> subprocess.CompletedProcess:
+    module, verb = VERIFY_COMMANDS[command]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    return subprocess.run(
+        [sys.executable, "-m", module, verb, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+@pytest.mark.parametrize("command", sorted(VERIFY_COMMANDS))
+def test_verify_commands_exit_0_clean_1_bad_records_2_not_a_pack(tmp_path, fmt, command):
+    path = _pack(tmp_path / f"p{SUFFIX[fmt]}", fmt)
+    clean = _run_command(command, path)
+    assert (clean.returncode, clean.stderr) == (0, ""), clean.stderr
+    assert clean.stdout.startswith(f"{path}: OK: 20 records and the metadata checked in ")
+
+    _flip_payload_byte(path, fmt, 7)
+    bad = _run_command(command, path)
+    assert bad.returncode == 1, bad.stderr
+    lines = bad.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"{path}: record 7: damaged record (checksum mismatch: stored "
+    )
+    assert bad.stdout.startswith(f"{path}: 1 bad records: 20 records")
+
+    other = tmp_path / f"notes{SUFFIX[fmt]}"
+    other.write_text("not a pack, just some notes\n" * 50)
+    foreign = _run_command(command, other)
+    assert (foreign.returncode, foreign.stdout) == (2, "")
+    named = {"lmdb": "an LMDB file", "hdf5": "an HDF5 file"}[fmt]
+    assert foreign.stderr == (
+        f"{command}: error: {other}: not a fastloader pack (named as {named} but it does not "
+        f"start like one: the start of the file is damaged, or it is another kind of file)\n"
+    )

@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fastloader.formats.base import (
-    DECODE_MODES,
-    PackedDataset,
-    PackWriter,
-    check_file,
-    decode_image,
-)
-from fastloader.formats.hdf5 import HDF5Dataset, HDF5Writer
-from fastloader.formats.images import CHECKS
-from fastloader.formats.lmdb import LMDBDataset, LMDBWriter
+from fastloader.formats.lmdb import LMDBPack, LMDBWriter
+from fastloader.formats.packfile import PackFile, PackWriter, check_file
 from fastloader.formats.records import (
     FORMAT_VERSION,
     STORE_MODES,
@@ -26,6 +19,52 @@ from fastloader.formats.records import (
     decode_record,
     encode_record,
 )
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the lazy names below, imported eagerly
+    from fastloader.formats.base import DECODE_MODES, PackedDataset, decode_image
+    from fastloader.formats.datasets import HDF5Dataset, LMDBDataset
+    from fastloader.formats.hdf5 import HDF5Pack, HDF5Writer
+    from fastloader.formats.images import CHECKS
+
+# NOTE [ Torch-free pack files ]
+# `fastloader-pack --info`, `--verify` and packing an image folder must not import torch
+# (seconds on a loaded machine; see NOTE [ Fast command start-up ] in cli.py). So reading a pack
+# is split in two: the backends' readers (LMDBPack, HDF5Pack, on formats.packfile.PackFile) open
+# and check the file, its metadata, labels, records and source paths with NumPy, lmdb and h5py
+# only; the torch datasets (formats/datasets.py: LMDBDataset = LMDBPack + PackedDataset) add
+# decoding and transforms. This package imports the torch-free parts eagerly and the names
+# below on first use (PEP 562, as fastloader/__init__.py does); h5py too waits for an HDF5 pack.
+# Pack workers test for tensors without importing torch (packfile.is_tensor). tests/test_cli.py
+# checks that packing a folder, `--info` and `--verify` leave torch out of sys.modules.
+_LAZY = {
+    "DECODE_MODES": "fastloader.formats.base",
+    "PackedDataset": "fastloader.formats.base",
+    "decode_image": "fastloader.formats.base",
+    "HDF5Dataset": "fastloader.formats.datasets",
+    "LMDBDataset": "fastloader.formats.datasets",
+    "CHECKS": "fastloader.formats.images",
+    "HDF5Pack": "fastloader.formats.hdf5",  # h5py: only for HDF5 packs
+    "HDF5Writer": "fastloader.formats.hdf5",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FORMATS":
+        from fastloader.formats.datasets import HDF5Dataset, LMDBDataset
+        from fastloader.formats.hdf5 import HDF5Writer
+
+        value: Any = {"lmdb": (LMDBDataset, LMDBWriter), "hdf5": (HDF5Dataset, HDF5Writer)}
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    else:
+        raise AttributeError(f"module 'fastloader.formats' has no attribute {name!r}")
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | {"FORMATS"})
+
 
 _LMDB_MAGIC = (0xBEEFC0DE).to_bytes(4, "little")
 _LMDB_MAGIC_OFFSET = 16  # after the 16-byte page header of the first meta page
@@ -37,10 +76,13 @@ __all__ = [
     "FORMATS",
     "STORE_MODES",
     "HDF5Dataset",
+    "HDF5Pack",
     "HDF5Writer",
     "LMDBDataset",
+    "LMDBPack",
     "LMDBWriter",
     "PackError",
+    "PackFile",
     "PackedDataset",
     "PackWriter",
     "Record",
@@ -50,12 +92,20 @@ __all__ = [
     "encode_record",
     "format_from_suffix",
     "open_pack",
+    "open_pack_file",
     "open_writer",
     "read_metadata",
     "sniff_format",
 ]
 
-FORMATS = {"lmdb": (LMDBDataset, LMDBWriter), "hdf5": (HDF5Dataset, HDF5Writer)}
+_BACKENDS = {"lmdb": "fastloader.formats.lmdb", "hdf5": "fastloader.formats.hdf5"}
+
+
+def _backend(format: str, name: str) -> Any:
+    """The class ``name`` (``"Pack"`` or ``"Writer"``) of backend ``format``."""
+    return getattr(importlib.import_module(_BACKENDS[format]), format.upper() + name)
+
+
 _SUFFIXES = {".lmdb": "lmdb", ".h5": "hdf5", ".hdf5": "hdf5"}
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
@@ -89,11 +139,11 @@ def open_writer(
         ValueError: for an unknown format or store mode.
         FileExistsError: if ``path`` exists.
     """
-    if format not in FORMATS:
-        raise ValueError(f"format must be one of {tuple(FORMATS)}, got {format!r}")
+    if format not in _BACKENDS:
+        raise ValueError(f"format must be one of {tuple(_BACKENDS)}, got {format!r}")
     if store not in STORE_MODES:
         raise ValueError(f"store must be one of {STORE_MODES}, got {store!r}")
-    return FORMATS[format][1](path, store=store, classes=classes, info=info)
+    return _backend(format, "Writer")(path, store=store, classes=classes, info=info)
 
 
 def open_pack(path: str | os.PathLike, **kwargs: Any) -> LMDBDataset | HDF5Dataset:
@@ -103,9 +153,25 @@ def open_pack(path: str | os.PathLike, **kwargs: Any) -> LMDBDataset | HDF5Datas
         FileNotFoundError: if ``path`` does not exist.
         PackError: if it is not a complete, readable fastloader pack.
     """
+    from fastloader.formats.datasets import HDF5Dataset, LMDBDataset
+
     path = Path(path)
     check_file(path)
-    return FORMATS[sniff_format(path)][0](path, **kwargs)
+    return {"lmdb": LMDBDataset, "hdf5": HDF5Dataset}[sniff_format(path)](path, **kwargs)
+
+
+def open_pack_file(path: str | os.PathLike, *, verify_checksums: bool = True) -> PackFile:
+    """Open a pack of either format as a torch-free reader (metadata, labels, raw records).
+
+    Checks what ``open_pack`` checks; reads records undecoded (``read_record``).
+
+    Raises:
+        FileNotFoundError: if ``path`` does not exist.
+        PackError: if it is not a complete, readable fastloader pack.
+    """
+    path = Path(path)
+    check_file(path)
+    return _backend(sniff_format(path), "Pack")(path, verify_checksums=verify_checksums)
 
 
 def sniff_format(path: Path) -> str:
@@ -138,7 +204,7 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
     (``"sources"``: True, read one by one with ``dataset.source_path(i)``), and has the file's
     ``"size_bytes"``.
     """
-    dataset = open_pack(path)
+    dataset = open_pack_file(path)
     try:
         metadata = dict(dataset.metadata)
         metadata["size_bytes"] = os.path.getsize(dataset.path)

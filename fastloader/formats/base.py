@@ -1,16 +1,15 @@
-"""PackedDataset: what every packed-file reader shares (lazy, fork-safe opening and decoding).
+"""PackedDataset: a pack as a torch map-style dataset (decoding and transforms on PackFile).
 
-See NOTE [ Fork-safe readers ].
+The reading core (fork-safe opening, checked records, source paths) is ``formats.packfile.
+PackFile``, which needs no torch; see NOTE [ Fork-safe readers ] there.
 """
 
 from __future__ import annotations
 
 import io
 import os
-from array import array
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,51 +19,29 @@ from torch.utils.data import Dataset
 
 from fastloader.decoding import fuse
 from fastloader.formats.images import to_rgb
-from fastloader.formats.metadata import array_checksum, dump_metadata, make_metadata
-from fastloader.formats.records import PackError, Record, RecordKind, decode_record
+from fastloader.formats.packfile import PackFile, PackWriter, check_file, file_identity
+from fastloader.formats.records import PackError, Record, RecordKind
+
+__all__ = [
+    "DECODE_MODES",
+    "PackError",
+    "PackFile",
+    "PackWriter",
+    "PackedDataset",
+    "check_file",
+    "decode_image",
+    "file_identity",
+]
 
 DECODE_MODES = ("pil", "tensor", "numpy", "bytes")
 
-# NOTE [ Fork-safe readers ]
-# An LMDB environment or HDF5 file opened in one process must not be used by another: a forked
-# worker that inherits the parent's handle shares its file offsets, locks and caches, which
-# crashes or silently corrupts reads. So a dataset holds no open handle when it is created or
-# pickled: it opens its file on first read in the process that reads, remembers that process's
-# pid, and opens a new handle when it finds itself in a different process (a fork). The handle is
-# never part of the pickled state, so spawn and forkserver workers open their own too. (LMDB
-# needs one more step: see _Environments in lmdb.py.) A reopened file must still be the file the
-# dataset was created over: a pack re-packed in place since (`--overwrite`) is refused, naming it,
-# rather than read with the old labels and length.
 
+class PackedDataset(PackFile, Dataset):
+    """Base of the packed-file datasets: an ImageFolder-like map-style dataset over one file.
 
-def file_identity(path: Path) -> tuple[int, int, int, int]:
-    """What tells one file from another at the same path: device, inode, size, mtime."""
-    stat = os.stat(path)
-    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
-
-
-def check_file(path: Path) -> None:
-    """Refuse, naming the file, what cannot be a pack before any backend reads it.
-
-    Raises:
-        FileNotFoundError: if ``path`` does not exist.
-        PackError: for a folder or an empty file.
+    A backend's dataset is its ``PackFile`` reader with this class: ``class LMDBDataset(
+    LMDBPack, PackedDataset)`` (see formats/datasets.py).
     """
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such packed file")
-    if path.is_dir():
-        raise PackError(f"{path}: is a directory, not a packed file")
-    if path.stat().st_size == 0:
-        raise PackError(f"{path}: empty file (0 bytes), not a pack: an interrupted copy?")
-
-
-class PackedDataset(Dataset):
-    """Base of the packed-file readers: an ImageFolder-like map-style dataset over one file.
-
-    Subclasses implement ``_open``, ``_load_index`` and ``_read_each``.
-    """
-
-    backend = ""
 
     def __init__(
         self,
@@ -77,47 +54,10 @@ class PackedDataset(Dataset):
     ) -> None:
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
-        self.path = Path(path)
         self.transform = transform
         self.target_transform = target_transform
         self.decode = decode
-        self.verify_checksums = verify_checksums
-        check_file(self.path)
-        self._handle: Any = None
-        self._pid: int | None = None
-        self._identity = file_identity(self.path)
-        handle = self._open()
-        try:
-            self.metadata, self.targets = self._load_index(handle)
-        finally:
-            self._close_handle(handle)
-        self.classes: list[str] = list(self.metadata["classes"])
-        self.class_to_idx = {name: index for index, name in enumerate(self.classes)}
-        self.store: str = self.metadata["store"]
-
-    # --- backend interface -------------------------------------------------------------------
-    def _open(self) -> Any:
-        """Open the file read-only; raise PackError naming it if it cannot be a pack."""
-        raise NotImplementedError
-
-    def _load_index(self, handle: Any) -> tuple[dict, np.ndarray]:
-        """Return the checked metadata and the int64 labels."""
-        raise NotImplementedError
-
-    def _read_each(self, handle: Any, indices: Sequence[int], use: Callable) -> list:
-        """Return ``[use(i, buffer) for i in indices]``, in order, in one read transaction."""
-        raise NotImplementedError
-
-    def _read_source(self, handle: Any, position: int) -> bytes:
-        """Return the UTF-8 source path of record ``position`` (the pack records sources)."""
-        raise NotImplementedError
-
-    def _close_handle(self, handle: Any) -> None:
-        handle.close()
-
-    # --- Dataset -------------------------------------------------------------------------------
-    def __len__(self) -> int:
-        return len(self.targets)
+        PackFile.__init__(self, path, verify_checksums=verify_checksums)
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         return self.__getitems__([index])[0]
@@ -152,17 +92,22 @@ class PackedDataset(Dataset):
         file's memory before any copy).
         """
         fused = fuse(self.transform) if self.decode != "bytes" else None
-        if fused is None:
-            return self.apply_transforms(self._decoded(position, buffer))
-        record = self._record(position, buffer)
-        if record.kind is RecordKind.RAW:
-            pixels = np.frombuffer(record.payload, dtype=np.uint8).reshape(record.shape)
-            image = fused.apply_raw(pixels, self.decode)
-        else:
-            where = f"{self.path} record {position}"
+        where = f"{self.path} record {position}"
+        if fused is None:  # decoded, checked (NOTE [ Checksum after the copy ]), transformed
+
+            def decode(record: Record) -> tuple[Any, int]:
+                return decode_image(record, self.decode, where), record.label
+
+            return self.apply_transforms(self._checked(position, buffer, decode))
+
+        def fused_decode(record: Record) -> tuple[Any, int]:
+            if record.kind is RecordKind.RAW:
+                pixels = np.frombuffer(record.payload, dtype=np.uint8).reshape(record.shape)
+                return fused.apply_raw(pixels, self.decode), record.label
             plain = lambda: decode_image(record, self.decode, where)  # noqa: E731
-            image = fused.apply_encoded(record.payload, plain, self.decode)
-        label = record.label
+            return fused.apply_encoded(record.payload, plain, self.decode), record.label
+
+        image, label = self._checked(position, buffer, fused_decode)
         if self.target_transform is not None:
             label = self.target_transform(label)
         return image, label
@@ -176,101 +121,11 @@ class PackedDataset(Dataset):
             label = self.target_transform(label)
         return image, label
 
-    def read_record(self, index: int) -> Record:
-        """Return record ``index`` undecoded (its payload copied out of the file)."""
-
-        def copy(position: int, buffer: Any) -> Record:
-            record = self._record(position, buffer)
-            return record._replace(payload=memoryview(bytes(record.payload)))
-
-        return self._read_each(self._handle_here(), [self._position(index)], copy)[0]
-
-    def source_path(self, index: int) -> str | None:
-        """The path, relative to the packed folder, of the file sample ``index`` came from.
-
-        Read from the file on demand (no list of paths is kept in memory). ``None`` for a pack
-        made from a dataset, which has no files.
-
-        Raises:
-            IndexError: for an index out of range.
-            PackError: if the stored paths are damaged.
-        """
-        position = self._position(index)
-        if not self.metadata["sources"]:
-            return None
-        raw = self._read_source(self._handle_here(), position)
-        try:
-            return raw.decode("utf-8", "surrogateescape")
-        except UnicodeDecodeError:  # pragma: no cover - surrogateescape decodes any bytes
-            raise PackError(f"{self.path}: damaged source path of record {position}") from None
-
-    def close(self) -> None:
-        """Close the file in this process (it reopens on the next read)."""
-        if self._handle is not None and self._pid == os.getpid():
-            self._close_handle(self._handle)
-        self._handle = None
-        self._pid = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_handle"] = None
-        state["_pid"] = None
-        return state
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - never raise from a finaliser
-            pass
-
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}({str(self.path)!r}, {len(self)} samples, "
             f"{len(self.classes)} classes, store={self.store!r}, decode={self.decode!r})"
         )
-
-    # --- helpers -------------------------------------------------------------------------------
-    def _handle_here(self) -> Any:
-        pid = os.getpid()
-        if self._handle is None or self._pid != pid:
-            check_file(self.path)
-            if file_identity(self.path) != self._identity:
-                raise PackError(
-                    f"{self.path}: the file changed since this dataset opened it (re-packed or "
-                    f"replaced): create the dataset again"
-                )
-            self._handle = self._open()
-            self._pid = pid
-        return self._handle
-
-    def _position(self, index: int) -> int:
-        count = len(self.targets)
-        if isinstance(index, torch.Tensor | np.integer):
-            index = int(index)
-        if not isinstance(index, int):
-            raise TypeError(f"index must be an int, got {type(index).__name__}")
-        position = index + count if index < 0 else index
-        if not 0 <= position < count:
-            raise IndexError(f"index {index} out of range for {count} samples in {self.path}")
-        return position
-
-    def _record(self, position: int, buffer: Any) -> Record:
-        if buffer is None:
-            raise PackError(f"{self.path} record {position}: missing (corrupt pack)")
-        record = decode_record(
-            buffer, where=f"{self.path} record {position}", verify=self.verify_checksums
-        )
-        if record.label != self.targets[position]:
-            raise PackError(
-                f"{self.path} record {position}: its label differs from the label index"
-            )
-        return record
-
-    def _decoded(self, position: int, buffer: Any) -> tuple[Any, int]:
-        record = self._record(position, buffer)
-        return decode_image(
-            record, self.decode, where=f"{self.path} record {position}"
-        ), record.label
 
 
 def decode_image(record: Record, mode: str, where: str = "record") -> Any:
@@ -316,117 +171,3 @@ def _decoding(where: str) -> Iterator[None]:
         yield
     except (OSError, SyntaxError, ValueError) as error:  # what PIL raises for a bad image
         raise PackError(f"{where}: stored image does not decode ({error})") from error
-
-
-class PackWriter:
-    """Base of the packed-file writers: records in, one pack file out, complete at ``close()``.
-
-    Args:
-        path: the file to write (must not exist).
-        store: the store mode recorded in the metadata ("encoded", "raw" or "jpeg").
-        classes: class names, indexed by label.
-        info: extra JSON-able facts to keep in the metadata (source, options, ...).
-
-    The ``store``, ``classes`` and ``info`` attributes are read when ``close()`` writes the
-    metadata, so a caller can still add what it learns while writing (such as a skipped count).
-    Subclasses implement ``_open``, ``_put``, ``close`` and ``abort``; the labels and source
-    paths are kept here, as the arrays ``close()`` stores (see ``arrays``).
-
-    Raises:
-        FileExistsError: if ``path`` exists.
-        TypeError: if ``info`` holds something JSON cannot.
-    """
-
-    backend = ""
-
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        *,
-        store: str,
-        classes: Sequence[str],
-        info: dict | None = None,
-    ) -> None:
-        self.path = Path(path)
-        if self.path.exists():
-            raise FileExistsError(f"{self.path}: already exists")
-        self.store = store
-        self.classes = list(classes)
-        self.info = dict(info or {})
-        self.count = 0  # records appended so far
-        self.bytes_written = 0
-        self._labels = array("q")
-        self._sources = bytearray()
-        self._source_offsets = array("q", [0])
-        self._with_sources: bool | None = None  # decided by the first append
-        self.metadata_json({})  # fail before writing anything if the metadata cannot be stored
-        self._open()
-
-    def _open(self) -> None:
-        """Create the file at ``path`` and whatever writing needs."""
-        raise NotImplementedError
-
-    def _put(self, record: bytes) -> None:
-        """Store the next record (index ``count``)."""
-        raise NotImplementedError
-
-    def append(self, record: bytes, label: int, source: str | None = None) -> None:
-        """Add the next record (index ``count``) with its label and, optionally, the path of
-        the file it came from (every record has one, or none has).
-
-        Raises:
-            ValueError: if some records have a source path and others not.
-        """
-        if self._with_sources is None:
-            self._with_sources = source is not None
-        elif self._with_sources != (source is not None):
-            raise ValueError("either every record has a source path or none has")
-        self._put(record)
-        self._labels.append(int(label))
-        if source is not None:
-            self._sources += source.encode("utf-8", "surrogateescape")
-            self._source_offsets.append(len(self._sources))
-        self.count += 1
-        self.bytes_written += len(record)
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        """The arrays stored beside the records: labels, and source paths when recorded."""
-        arrays = {"labels": np.frombuffer(self._labels, dtype=np.int64).astype("<i8")}
-        if self._with_sources:
-            arrays["sources"] = np.frombuffer(bytes(self._sources), dtype=np.uint8)
-            arrays["source_offsets"] = np.frombuffer(self._source_offsets, dtype=np.int64).astype(
-                "<i8"
-            )
-        return arrays
-
-    def metadata_json(self, arrays: dict[str, np.ndarray]) -> bytes:
-        """The metadata, as JSON, of the records appended so far and of ``arrays``."""
-        checksums = {name: array_checksum(data) for name, data in arrays.items()}
-        return dump_metadata(
-            make_metadata(
-                self.backend,
-                self.store,
-                self.count,
-                self.classes,
-                self.info,
-                checksums,
-                bool(self._with_sources),
-            )
-        )
-
-    def close(self) -> None:
-        """Write what is left and the metadata, last: the pack is then complete."""
-        raise NotImplementedError
-
-    def abort(self) -> None:
-        """Close without metadata: the file never opens as a complete pack."""
-        raise NotImplementedError
-
-    def __enter__(self) -> PackWriter:
-        return self
-
-    def __exit__(self, exc_type: Any, *rest: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()

@@ -33,8 +33,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from fastloader.formats.base import PackedDataset, PackWriter
 from fastloader.formats.metadata import check_array, check_targets, load_metadata
+from fastloader.formats.packfile import PackFile, PackWriter
 from fastloader.formats.records import PackError
 
 _COPY_BYTES = 64 << 20
@@ -130,22 +130,11 @@ def _short(error: BaseException) -> str:
     return " ".join(str(error).split())[:200] or type(error).__name__
 
 
-class HDF5Dataset(PackedDataset):
-    """An ImageFolder-like dataset over a pack written by ``fastloader-pack`` in HDF5 format.
+class HDF5Pack(PackFile):
+    """The torch-free reader of a pack written by ``fastloader-pack`` in HDF5 format.
 
-    Args:
-        path: the ``.h5``/``.hdf5`` file.
-        transform: applied to each image (as torchvision transforms are).
-        target_transform: applied to each label.
-        decode: "pil" (RGB image, default), "tensor" (uint8 CHW), "numpy" (uint8 HWC), or
-            "bytes" (the stored payload).
-        verify_checksums: check each record's checksum as it is read (default True).
-
-    Raises:
-        FileNotFoundError: if ``path`` does not exist.
-        PackError: if it is empty, truncated, damaged, not a fastloader HDF5 pack (or not laid
-            out as fastloader writes them), unfinished, or from another format version.
-        ValueError: for an unknown ``decode``.
+    ``--info``, ``--verify`` and ``read_metadata`` use it; ``HDF5Dataset`` (formats/datasets.py) is
+    this reader with decoding and transforms. Arguments and errors as ``PackFile``.
     """
 
     backend = "hdf5"

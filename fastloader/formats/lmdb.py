@@ -17,9 +17,9 @@ from typing import NamedTuple
 import lmdb
 import numpy as np
 
-from fastloader.formats.base import PackedDataset, PackWriter, file_identity
 from fastloader.formats.lmdb_checks import check_lmdb_file, mapping_start
 from fastloader.formats.metadata import check_array, check_targets, load_metadata
+from fastloader.formats.packfile import PackFile, PackWriter, file_identity
 from fastloader.formats.records import PackError
 
 _METADATA_KEY = b"__metadata__"
@@ -134,22 +134,11 @@ def _open_environment(path: Path, identity: tuple[int, int, int, int]) -> _Env:
 _environments = _Environments()
 
 
-class LMDBDataset(PackedDataset):
-    """An ImageFolder-like dataset over a pack written by ``fastloader-pack`` in LMDB format.
+class LMDBPack(PackFile):
+    """The torch-free reader of a pack written by ``fastloader-pack`` in LMDB format.
 
-    Args:
-        path: the ``.lmdb`` file.
-        transform: applied to each image (as torchvision transforms are).
-        target_transform: applied to each label.
-        decode: "pil" (RGB image, default), "tensor" (uint8 CHW), "numpy" (uint8 HWC), or
-            "bytes" (the stored payload).
-        verify_checksums: check each record's checksum as it is read (default True).
-
-    Raises:
-        FileNotFoundError: if ``path`` does not exist.
-        PackError: if it is empty, truncated, damaged, not a fastloader LMDB pack, unfinished,
-            or from another format version.
-        ValueError: for an unknown ``decode``.
+    ``--info``, ``--verify`` and ``read_metadata`` use it; ``LMDBDataset`` (formats/datasets.py) is
+    this reader with decoding and transforms. Arguments and errors as ``PackFile``.
     """
 
     backend = "lmdb"

@@ -206,3 +206,12 @@ def check_targets(targets: np.ndarray, metadata: dict[str, Any], path: Path) -> 
     if len(targets) and (targets.min() < 0 or targets.max() >= classes):
         raise PackError(f"{path}: corrupt pack (a label is outside the {classes} classes)")
     return targets.astype(np.int64)
+
+
+def human_size(size: float) -> str:
+    """Return a byte count in binary units, e.g. ``"1.5 MiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"

@@ -72,10 +72,10 @@ def verify(path: str | os.PathLike, progress: bool | None = None) -> VerifyRepor
         PackError: naming the file, if it cannot be opened as a pack at all (not a pack,
             truncated, damaged metadata, labels, offsets or structure).
     """
-    from fastloader.formats import open_pack
+    from fastloader.formats import open_pack_file
 
     started = time.perf_counter()
-    dataset = open_pack(path, decode="bytes")
+    dataset = open_pack_file(path)
     try:
         count = len(dataset)
         bad: list[tuple[int, str]] = []
@@ -124,8 +124,10 @@ def _reason(error: PackError, path: Path) -> str:
     return text.removeprefix(f"{path}: ")
 
 
-def run_cli(path: str, quiet: bool = False) -> int:
+def run_cli(path: str, quiet: bool = False, prog: str = PROG) -> int:
     """``fastloader-pack --verify PACK``: check a pack, print what is wrong, return the status.
+
+    ``prog`` names the command in an error message (``fastloader verify`` runs this too).
 
     Bad records are printed one per line on stderr (``PACK: record I: reason``), even with
     ``quiet``; then a summary on stdout unless ``quiet``. Progress is shown on a terminal.
@@ -138,7 +140,7 @@ def run_cli(path: str, quiet: bool = False) -> int:
         report = verify(path, progress=False if quiet else None)
     except (PackError, OSError) as error:
         message = " ".join(str(error).split())
-        print(f"{PROG}: error: {message}", file=sys.stderr)
+        print(f"{prog}: error: {message}", file=sys.stderr)
         return 2
     for index, reason in report.bad:
         print(f"{path}: record {index}: {reason}", file=sys.stderr)

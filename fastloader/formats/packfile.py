@@ -1,0 +1,382 @@
+"""PackFile and PackWriter: reading and writing a pack, without torch.
+
+``PackFile`` is the reading core every pack reader shares: lazy, fork-safe opening (see NOTE
+[ Fork-safe readers ]), the checked metadata and labels, records read undecoded and verified,
+source paths. The torch datasets (``formats.base.PackedDataset`` and the backends' datasets in
+``formats.datasets``) add decoding and transforms on top. ``--info``, ``--verify`` and packing
+use only this module and the backends' readers and writers, so they never import torch (see
+NOTE [ Torch-free pack files ] in formats/__init__.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from array import array
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fastloader.formats.metadata import array_checksum, dump_metadata, make_metadata
+from fastloader.formats.records import (
+    HEADER_SIZE,
+    PackError,
+    Record,
+    checksum_error,
+    checksum_matches,
+    decode_record,
+)
+
+# NOTE [ Fork-safe readers ]
+# An LMDB environment or HDF5 file opened in one process must not be used by another: a forked
+# worker that inherits the parent's handle shares its file offsets, locks and caches, which
+# crashes or silently corrupts reads. So a dataset holds no open handle when it is created or
+# pickled: it opens its file on first read in the process that reads, remembers that process's
+# pid, and opens a new handle when it finds itself in a different process (a fork). The handle is
+# never part of the pickled state, so spawn and forkserver workers open their own too. (LMDB
+# needs one more step: see _Environments in lmdb.py.) A reopened file must still be the file the
+# dataset was created over: a pack re-packed in place since (`--overwrite`) is refused, naming it,
+# rather than read with the old labels and length.
+
+
+def file_identity(path: Path) -> tuple[int, int, int, int]:
+    """What tells one file from another at the same path: device, inode, size, mtime."""
+    stat = os.stat(path)
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+def check_file(path: Path) -> None:
+    """Refuse, naming the file, what cannot be a pack before any backend reads it.
+
+    Raises:
+        FileNotFoundError: if ``path`` does not exist.
+        PackError: for a folder or an empty file.
+    """
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such packed file")
+    if path.is_dir():
+        raise PackError(f"{path}: is a directory, not a packed file")
+    if path.stat().st_size == 0:
+        raise PackError(f"{path}: empty file (0 bytes), not a pack: an interrupted copy?")
+
+
+# NOTE [ Checksum after the copy ]
+# Every read verifies the record's checksum (NOTE [ Record checksums ]) over the bytes in the
+# file. Hashing costs least right after the bytes were read: a raw record (150-200 KB) is not
+# in the CPU caches when a batch asks for it, and whichever pass touches it first pays for
+# bringing it from memory. Hashed first, the copy that follows re-reads it from L2 but the hash
+# paid the memory trip; copied first, the copy pays that trip (it must anyway) and the hash then
+# reads the bytes hot: measured 1.3-1.7 us less per 200 KB record on the shared box (about a
+# third of the checksum's cost on a copy-only read). So a sample is decoded (and, for fused
+# transforms, cropped) first and its record's checksum verified right after, before the sample
+# is returned or a user's transform sees it (`_checked`); the header is parsed and checked
+# before (so a damaged length or shape never reads outside the record). Nothing is covered
+# less: the same header and payload bytes of the file are hashed, and a record that fails to
+# parse or decode is hashed before its error is raised, so a damaged record still reports
+# "checksum mismatch", whatever part was damaged. `verify` (whole-pack checking) hashes first:
+# it copies nothing.
+
+
+class PackFile:
+    """The reading core of a pack over one file: metadata, labels, checked records, sources.
+
+    Subclasses implement ``_open``, ``_load_index``, ``_read_each`` and ``_read_source``.
+
+    Args:
+        path: the pack file.
+        verify_checksums: check each record's checksum as it is read (default True).
+
+    Raises:
+        FileNotFoundError: if ``path`` does not exist.
+        PackError: if it is not a complete, readable pack of this backend.
+    """
+
+    backend = ""
+
+    def __init__(self, path: str | os.PathLike, *, verify_checksums: bool = True) -> None:
+        self.path = Path(path)
+        self.verify_checksums = verify_checksums
+        check_file(self.path)
+        self._handle: Any = None
+        self._pid: int | None = None
+        self._identity = file_identity(self.path)
+        handle = self._open()
+        try:
+            self.metadata, self.targets = self._load_index(handle)
+        finally:
+            self._close_handle(handle)
+        self.classes: list[str] = list(self.metadata["classes"])
+        self.class_to_idx = {name: index for index, name in enumerate(self.classes)}
+        self.store: str = self.metadata["store"]
+
+    # --- backend interface -------------------------------------------------------------------
+    def _open(self) -> Any:
+        """Open the file read-only; raise PackError naming it if it cannot be a pack."""
+        raise NotImplementedError
+
+    def _load_index(self, handle: Any) -> tuple[dict, np.ndarray]:
+        """Return the checked metadata and the int64 labels."""
+        raise NotImplementedError
+
+    def _read_each(self, handle: Any, indices: Sequence[int], use: Callable) -> list:
+        """Return ``[use(i, buffer) for i in indices]``, in order, in one read transaction."""
+        raise NotImplementedError
+
+    def _read_source(self, handle: Any, position: int) -> bytes:
+        """Return the UTF-8 source path of record ``position`` (the pack records sources)."""
+        raise NotImplementedError
+
+    def _close_handle(self, handle: Any) -> None:
+        handle.close()
+
+    # --- reading -------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def read_record(self, index: int) -> Record:
+        """Return record ``index`` undecoded (its payload copied out of the file)."""
+
+        def copy(position: int, buffer: Any) -> Record:
+            def copied(record: Record) -> Record:
+                return record._replace(payload=memoryview(bytes(record.payload)))
+
+            return self._checked(position, buffer, copied)
+
+        return self._read_each(self._handle_here(), [self._position(index)], copy)[0]
+
+    def source_path(self, index: int) -> str | None:
+        """The path, relative to the packed folder, of the file sample ``index`` came from.
+
+        Read from the file on demand (no list of paths is kept in memory). ``None`` for a pack
+        made from a dataset, which has no files.
+
+        Raises:
+            IndexError: for an index out of range.
+            PackError: if the stored paths are damaged.
+        """
+        position = self._position(index)
+        if not self.metadata["sources"]:
+            return None
+        raw = self._read_source(self._handle_here(), position)
+        try:
+            return raw.decode("utf-8", "surrogateescape")
+        except UnicodeDecodeError:  # pragma: no cover - surrogateescape decodes any bytes
+            raise PackError(f"{self.path}: damaged source path of record {position}") from None
+
+    def close(self) -> None:
+        """Close the file in this process (it reopens on the next read)."""
+        if self._handle is not None and self._pid == os.getpid():
+            self._close_handle(self._handle)
+        self._handle = None
+        self._pid = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_handle"] = None
+        state["_pid"] = None
+        return state
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finaliser
+            pass
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({str(self.path)!r}, {len(self)} samples, "
+            f"{len(self.classes)} classes, store={self.store!r})"
+        )
+
+    # --- helpers -------------------------------------------------------------------------------
+    def _handle_here(self) -> Any:
+        pid = os.getpid()
+        if self._handle is None or self._pid != pid:
+            check_file(self.path)
+            if file_identity(self.path) != self._identity:
+                raise PackError(
+                    f"{self.path}: the file changed since this dataset opened it (re-packed or "
+                    f"replaced): create the dataset again"
+                )
+            self._handle = self._open()
+            self._pid = pid
+        return self._handle
+
+    def _position(self, index: int) -> int:
+        count = len(self.targets)
+        if isinstance(index, np.integer) or is_tensor(index):
+            index = int(index)
+        if not isinstance(index, int):
+            raise TypeError(f"index must be an int, got {type(index).__name__}")
+        position = index + count if index < 0 else index
+        if not 0 <= position < count:
+            raise IndexError(f"index {index} out of range for {count} samples in {self.path}")
+        return position
+
+    def _record(self, position: int, buffer: Any, *, checked_later: bool = False) -> Record:
+        """Parse record ``position`` from ``buffer``; its checksum is verified now unless
+        ``checked_later`` (then the caller runs ``_checked``: NOTE [ Checksum after the copy ]).
+        """
+        if buffer is None:
+            raise PackError(f"{self.path} record {position}: missing (corrupt pack)")
+        where = f"{self.path} record {position}"
+        try:
+            record = decode_record(
+                buffer, where=where, verify=self.verify_checksums and not checked_later
+            )
+            if record.label != self.targets[position]:
+                raise PackError(f"{where}: its label differs from the label index")
+        except PackError as error:
+            # A damaged record says so, as when its checksum is verified first.
+            if checked_later and self.verify_checksums and len(buffer) >= HEADER_SIZE:
+                self._raise_if_damaged(buffer, where, error)
+            raise
+        return record
+
+    def _checked(self, position: int, buffer: Any, use: Callable[[Record], Any]) -> Any:
+        """``use(record)`` for record ``position``, its checksum verified right after.
+
+        See NOTE [ Checksum after the copy ]. ``use`` must return nothing that refers to
+        ``buffer``. Errors as ``_record``'s; an error raised by ``use`` on a record whose
+        checksum does not match becomes the checksum error.
+        """
+        if not self.verify_checksums:
+            return use(self._record(position, buffer))
+        record = self._record(position, buffer, checked_later=True)
+        try:
+            result = use(record)
+        except Exception as error:
+            self._raise_if_damaged(buffer, f"{self.path} record {position}", error)
+            raise
+        if not checksum_matches(buffer):
+            self._raise_if_damaged(buffer, f"{self.path} record {position}", None)
+        return result
+
+    @staticmethod
+    def _raise_if_damaged(buffer: Any, where: str, cause: BaseException | None) -> None:
+        damaged = checksum_error(buffer, where)
+        if damaged is not None:
+            raise damaged from cause
+
+
+def is_tensor(value: Any) -> bool:
+    """``isinstance(value, torch.Tensor)``, without importing torch: a tensor exists only once
+    torch is imported (NOTE [ Torch-free pack files ] in formats/__init__.py)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+class PackWriter:
+    """Base of the packed-file writers: records in, one pack file out, complete at ``close()``.
+
+    Args:
+        path: the file to write (must not exist).
+        store: the store mode recorded in the metadata ("encoded", "raw" or "jpeg").
+        classes: class names, indexed by label.
+        info: extra JSON-able facts to keep in the metadata (source, options, ...).
+
+    The ``store``, ``classes`` and ``info`` attributes are read when ``close()`` writes the
+    metadata, so a caller can still add what it learns while writing (such as a skipped count).
+    Subclasses implement ``_open``, ``_put``, ``close`` and ``abort``; the labels and source
+    paths are kept here, as the arrays ``close()`` stores (see ``arrays``).
+
+    Raises:
+        FileExistsError: if ``path`` exists.
+        TypeError: if ``info`` holds something JSON cannot.
+    """
+
+    backend = ""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        store: str,
+        classes: Sequence[str],
+        info: dict | None = None,
+    ) -> None:
+        self.path = Path(path)
+        if self.path.exists():
+            raise FileExistsError(f"{self.path}: already exists")
+        self.store = store
+        self.classes = list(classes)
+        self.info = dict(info or {})
+        self.count = 0  # records appended so far
+        self.bytes_written = 0
+        self._labels = array("q")
+        self._sources = bytearray()
+        self._source_offsets = array("q", [0])
+        self._with_sources: bool | None = None  # decided by the first append
+        self.metadata_json({})  # fail before writing anything if the metadata cannot be stored
+        self._open()
+
+    def _open(self) -> None:
+        """Create the file at ``path`` and whatever writing needs."""
+        raise NotImplementedError
+
+    def _put(self, record: bytes) -> None:
+        """Store the next record (index ``count``)."""
+        raise NotImplementedError
+
+    def append(self, record: bytes, label: int, source: str | None = None) -> None:
+        """Add the next record (index ``count``) with its label and, optionally, the path of
+        the file it came from (every record has one, or none has).
+
+        Raises:
+            ValueError: if some records have a source path and others not.
+        """
+        if self._with_sources is None:
+            self._with_sources = source is not None
+        elif self._with_sources != (source is not None):
+            raise ValueError("either every record has a source path or none has")
+        self._put(record)
+        self._labels.append(int(label))
+        if source is not None:
+            self._sources += source.encode("utf-8", "surrogateescape")
+            self._source_offsets.append(len(self._sources))
+        self.count += 1
+        self.bytes_written += len(record)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The arrays stored beside the records: labels, and source paths when recorded."""
+        arrays = {"labels": np.frombuffer(self._labels, dtype=np.int64).astype("<i8")}
+        if self._with_sources:
+            arrays["sources"] = np.frombuffer(bytes(self._sources), dtype=np.uint8)
+            arrays["source_offsets"] = np.frombuffer(self._source_offsets, dtype=np.int64).astype(
+                "<i8"
+            )
+        return arrays
+
+    def metadata_json(self, arrays: dict[str, np.ndarray]) -> bytes:
+        """The metadata, as JSON, of the records appended so far and of ``arrays``."""
+        checksums = {name: array_checksum(data) for name, data in arrays.items()}
+        return dump_metadata(
+            make_metadata(
+                self.backend,
+                self.store,
+                self.count,
+                self.classes,
+                self.info,
+                checksums,
+                bool(self._with_sources),
+            )
+        )
+
+    def close(self) -> None:
+        """Write what is left and the metadata, last: the pack is then complete."""
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        """Close without metadata: the file never opens as a complete pack."""
+        raise NotImplementedError
+
+    def __enter__(self) -> PackWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
