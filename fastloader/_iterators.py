@@ -443,8 +443,12 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
     def _fill(self) -> None:
         # Tasks sent but not yet returned, including results that arrived out of order: torch
         # sends a new task only when one is returned, so this stays within its limit.
+        # With in_order=False results are handed out as they arrive and _rcvd_idx lags
+        # behind, so there the count is the tasks outstanding.
         limit = self._prefetch_factor * self._num_workers
-        while self._send_idx - self._rcvd_idx < limit:
+        while (
+            self._send_idx - self._rcvd_idx if self._in_order else self._tasks_outstanding
+        ) < limit:
             sent = self._send_idx
             self._try_put_index()
             if self._send_idx == sent:

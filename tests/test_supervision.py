@@ -35,9 +35,9 @@ def _alive(pid: int) -> bool:
 
 def test_killed_workers_are_replaced_and_every_epoch_equals_a_clean_run():
     report = _run("kills")
-    assert report["equal"] == {"one": True, "all": True, "between": True}
+    assert report["equal"] == {"one": True, "all": True, "between": True, "out_of_order": True}
     assert report["pids_after_kill"]["one"] is False  # worker_pids lists live workers only
-    assert report["live_after_heal"] == {"one": True, "all": True, "between": True}
+    assert all(report["live_after_heal"].values())
     warned = report["deaths_warned"]
     assert [len(warned[k]) for k in ("one", "all", "between")] == [1, 2, 1]  # one per death
     assert all("SIGKILL" in w and "likely the OOM killer" in w for k in warned for w in warned[k])
