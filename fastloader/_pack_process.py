@@ -15,13 +15,13 @@ import signal
 import socket
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from fastloader._pack_worker import Encoded, start_worker
+from fastloader._parent_death import die_with_parent, process_runs
 
 # NOTE [ Signals while packing ]
 # A scheduler's time limit (or `kill`) sends SIGTERM; the CLI handles it like Ctrl-C: within
@@ -114,36 +114,12 @@ def frozen_heap() -> Iterator[None]:
 # The death signal follows the *thread* that started the worker: ProcessPoolExecutor starts
 # its workers from the thread that submits (here the main thread), on Python 3.10-3.13.
 
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-
 
 def start_pool_worker(encoder: Callable[[Any], Encoded], parent: int) -> None:
     """Pool initializer: die with the parent, leave SIGTERM to it, then set up the encoder."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if not _die_with_parent_linux():
-        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    if os.getppid() != parent:  # the parent died before we asked to die with it
-        os._exit(1)
+    die_with_parent(parent)
     start_worker(encoder)
-
-
-def _die_with_parent_linux() -> bool:
-    """Ask Linux to SIGKILL this process when its parent dies; False where that is not there."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def _watch_parent(parent: int, interval: float = 0.5) -> None:
-    while os.getppid() == parent:
-        time.sleep(interval)
-    os._exit(1)
 
 
 _PARTIAL = re.compile(r"\.partial-(?P<pid>\d+)(?:@(?P<host>.+))?$")
@@ -165,25 +141,10 @@ def remove_stale_partials(target: Path) -> list[tuple[Path, int]]:
         if match is None or match["host"] not in (None, host):
             continue
         pid = int(match["pid"])
-        if pid != os.getpid() and _process_runs(pid):
+        if pid != os.getpid() and process_runs(pid):
             continue
         with contextlib.suppress(FileNotFoundError):
             os.remove(target.parent / name)
             if pid != os.getpid():  # our own pid: a run before a reboot; nothing to report
                 removed.append((target.parent / name, pid))
     return removed
-
-
-def _process_runs(pid: int) -> bool:
-    """Whether ``pid`` is a running process (a zombie has stopped running)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):  # no /proc (not Linux), or the process just ended
-        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")

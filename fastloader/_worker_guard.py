@@ -18,14 +18,10 @@ workers that hold unfinished tasks and puts their stacks in the error.
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import os
 import random
 import signal
-import sys
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,54 +29,11 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
+from fastloader._parent_death import die_with_parent
 from fastloader.seeding import SeededDataset, SeededIterableDataset
 
-_PR_SET_PDEATHSIG = 1
 STACK_SIGNAL = getattr(signal, "SIGUSR2", None)
 _stack_files: list = []  # keeps the open stack file alive in this worker
-
-
-def die_with_parent(parent_pid: int, forked_from_main_thread: bool) -> None:
-    """Make this process exit soon after ``parent_pid`` dies. See NOTE above."""
-    direct = os.getppid() == parent_pid
-    if not direct and not _alive(parent_pid):
-        os._exit(1)  # the parent died before we got here
-    # Not a direct child under the "forkserver" start method: the fork server is the parent,
-    # and it exits when the main process does, so the parent-death signal still applies.
-    linux = sys.platform.startswith("linux")
-    if linux and (forked_from_main_thread or not direct) and _set_pdeathsig():
-        if os.getppid() != parent_pid and direct:
-            os._exit(1)
-        return
-    thread = threading.Thread(
-        target=_watch_parent, args=(parent_pid, direct), name="fastloader-parent-watch"
-    )
-    thread.daemon = True
-    thread.start()
-
-
-def _set_pdeathsig() -> bool:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _watch_parent(parent_pid: int, direct: bool) -> None:
-    while os.getppid() == parent_pid if direct else _alive(parent_pid):
-        time.sleep(0.5)
-    os._exit(1)
 
 
 def stack_file(folder: str, slot: int, pid: int) -> str:
