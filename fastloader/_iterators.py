@@ -265,6 +265,8 @@ class _LoaderIterMixin:
         if loader._resolved_device is not None:
             from fastloader.device import DevicePrefetcher
 
+            # source failures torch counted as a delivered batch, raised later in their place
+            self._counted_failures: list[BaseException] = []
             prefetcher = DevicePrefetcher(
                 _TorchNext(self),
                 loader._resolved_device,
@@ -290,9 +292,13 @@ class _LoaderIterMixin:
         except KeyboardInterrupt:
             self._interrupted = True
             raise
-        except Exception:
+        except Exception as error:
+            if self._device_batches is None:
+                counted = self._delivered != delivered
+            else:  # the prefetcher raises a failure after the batches pulled before it
+                counted = _take(self._counted_failures, error)
             loader = self._loader_ref()
-            if loader is not None and self._delivered != delivered:
+            if loader is not None and counted:
                 loader.__dict__["_consumed"] += 1
             raise
         now = time.perf_counter()
@@ -314,7 +320,23 @@ class _TorchNext:
         return self
 
     def __next__(self) -> Any:
-        return _BaseDataLoaderIter.__next__(self._iterator)
+        iterator = self._iterator
+        delivered = iterator._delivered
+        try:
+            return _BaseDataLoaderIter.__next__(iterator)
+        except Exception as error:
+            if iterator._delivered != delivered:  # a batch whose loading raised
+                iterator._counted_failures.append(error)
+            raise
+
+
+def _take(failures: list[BaseException], error: BaseException) -> bool:
+    """Remove ``error`` from ``failures`` (by identity); whether it was there."""
+    for i, failure in enumerate(failures):
+        if failure is error:
+            del failures[i]
+            return True
+    return False
 
 
 class SingleProcessIter(_SeededDatasetMixin, _LoaderIterMixin, _SingleProcessDataLoaderIter):

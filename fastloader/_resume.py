@@ -22,6 +22,12 @@ changed: with ``drop_last`` the resumed epoch drops ``(remaining) % step`` sampl
 ``length % step``, and with ``distributed=True, shuffle=True`` a short last step may be padded
 differently. ``load_state_dict`` warns, with the numbers, when that happens.
 
+NOTE [ Out of order ]: with ``in_order=False`` and worker processes, batches are handed out
+as they finish, so "batches consumed x batch size" is not a prefix of the order. The state
+records ``order["in_order"]`` (False only then; a version-2 state without it was in order),
+and a mid-epoch resume of such a state is refused: ``state_dict`` itself never raises, as
+Lightning calls it on every checkpoint, and an epoch-boundary state resumes as usual.
+
 Version-1 states (position in batches, nothing about the order) are still read: at an epoch
 boundary exactly; mid-epoch assuming the same batch size and dataset (with a warning), and
 refused for ``distributed=True``, whose order was per rank in version 1.
@@ -173,7 +179,7 @@ def build_state(loader: Any) -> dict[str, Any]:
         if description["epoch_length"] is not None:
             position = min(position, description["epoch_length"])
     order = {key: description[key] for key in _ORDER_FIELDS}
-    order.update(sampler_seed=description["sampler_seed"])
+    order.update(sampler_seed=description["sampler_seed"], in_order=_delivered_in_order(loader))
     return {
         "fastloader_state_version": STATE_VERSION,
         "seed": loader.seed,
@@ -186,6 +192,11 @@ def build_state(loader: Any) -> dict[str, Any]:
         "batch_size": description["batch_size"],
         "order": order,
     }
+
+
+def _delivered_in_order(loader: Any) -> bool:
+    """Whether batches reach the user in the order's sequence (see NOTE [ Out of order ])."""
+    return bool(getattr(loader, "in_order", True)) or not loader.num_workers
 
 
 def _check_type(state: dict[str, Any], key: str, kind: type, allow_none: bool = False) -> None:
@@ -251,6 +262,7 @@ def resume_point(state: dict[str, Any], loader: Any) -> tuple[int, int]:
         position = state["position"]
         if position == 0:
             return epoch, 0
+        _check_delivered_in_order(state, here, position)
         _check_same_order(state, here)
     length = here["epoch_length"]
     if length is not None and position > length:
@@ -281,6 +293,22 @@ def _legacy_position(state: dict[str, Any], loader: Any, here: dict[str, Any]) -
         stacklevel=4,
     )
     return consumed * (1 if here["unit"] == "batches" else (here["batch_size"] or 1))
+
+
+def _check_delivered_in_order(state: dict[str, Any], here: dict[str, Any], position: int) -> None:
+    if state["order"].get("in_order") is not False:
+        return  # in order, or a state from before in_order was recorded
+    length = here["epoch_length"]
+    if length is not None and position >= length:
+        return  # every batch of the epoch was consumed: nothing to lose or repeat
+    raise ValueError(
+        "cannot resume exactly from the middle of an epoch: the state was taken with "
+        "in_order=False (and worker processes), so its batches were delivered as they "
+        "finished loading and the batches consumed are not the first "
+        f"{position} {state['unit']} of the epoch's order, and resuming there would skip some "
+        "samples and repeat others. States taken at an epoch boundary resume fine; use "
+        "in_order=True for checkpoints in the middle of an epoch"
+    )
 
 
 def _check_same_order(state: dict[str, Any], here: dict[str, Any]) -> None:

@@ -279,6 +279,30 @@ class DevicePrefetcher:
         )
 
 
+# NOTE [ Errors keep their place ]
+#
+# The prefetcher pulls `depth` batches ahead, so when the source raises (a sample failed to
+# load, a transform failed), batches pulled before the failure are still queued. Raising at
+# once would hand the error out early, before batches that come before it in the order; a
+# caller that counts what it consumed (the loader's resume position) would then count those
+# batches as skipped. So a failure takes its place in the queue like a batch: the batches
+# before it are handed out first, then it is raised, then the pass continues with the
+# source's later batches (a source that can go on after an error, as a DataLoader iterator
+# does after a dataset error, loses nothing). Filling stops at a queued failure, so nothing is
+# pulled past it until it has been raised. The end of the source (StopIteration) is kept the
+# same way: it is raised only once the queue is empty. KeyboardInterrupt and other
+# BaseExceptions are not failures of one batch: they propagate at once.
+
+
+class _Raised:
+    """A failure of the source (or of a batch's copy) kept in its place in the queue."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
 class _PrefetchIterator:
     """One pass of a DevicePrefetcher: a queue of batches whose copies have been issued."""
 
@@ -295,8 +319,9 @@ class _PrefetchIterator:
         self._depth = depth
         self._transform = transform
         self._stream = stream
-        # (device batch, ready event or None, host batch kept alive until the event is waited)
-        self._queue: deque[tuple[Any, Any, Any]] = deque()
+        # (device batch, ready event or None, host batch kept alive until the event is waited),
+        # or a _Raised failure in its place; see NOTE [ Errors keep their place ]
+        self._queue: deque[tuple[Any, Any, Any] | _Raised] = deque()
 
     def __iter__(self) -> _PrefetchIterator:
         return self
@@ -304,15 +329,31 @@ class _PrefetchIterator:
     def __next__(self) -> Any:
         queue = self._queue
         while self._source is not None and len(queue) <= self._depth:
+            if queue and isinstance(queue[-1], _Raised):
+                break  # pull nothing past a failure until it has been raised
             try:
                 host = next(self._source)
             except StopIteration:
                 self._source = None
                 break
-            queue.append(self._issue(host))
+            except Exception as error:
+                queue.append(_Raised(error))
+                break
+            try:
+                queue.append(self._issue(host))
+            except Exception as error:
+                queue.append(_Raised(error))
+                break
         if not queue:
             raise StopIteration
-        batch, ready, _host = queue.popleft()
+        entry = queue.popleft()
+        if isinstance(entry, _Raised):
+            error, entry.error = entry.error, None  # type: ignore[assignment]
+            try:
+                raise error
+            finally:
+                del error  # no cycle error -> traceback -> this frame -> error
+        batch, ready, _host = entry
         if ready is not None:
             consumer = torch.cuda.current_stream(self._device)
             consumer.wait_event(ready)

@@ -208,7 +208,10 @@ def test_prefetcher_passes_source_errors_through():
         raise OSError("disk gone")
 
     iterator = iter(DevicePrefetcher(broken(), "cpu", depth=1))
+    assert torch.equal(next(iterator), torch.zeros(1))  # the batch before the error first
     with pytest.raises(OSError, match="disk gone"):
+        next(iterator)
+    with pytest.raises(StopIteration):  # a generator that raised is finished
         next(iterator)
 
 
@@ -340,3 +343,47 @@ def test_cuda_prefetcher_restarts_across_epochs_with_plain_cuda():
         out = list(prefetcher)
         assert [int(b[0]) for b in out] == list(range(5))
         assert all(b.is_cuda for b in out)
+
+
+def test_prefetcher_raises_a_source_error_after_the_batches_before_it_and_then_goes_on():
+    class Source:
+        def __init__(self):
+            self.next_value = 0
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            value, self.next_value = self.next_value, self.next_value + 1
+            if value in (2, 3):
+                raise ValueError(f"batch {value}")
+            if value == 6:
+                raise StopIteration
+            return torch.tensor([value])
+
+    events = []
+    iterator = iter(DevicePrefetcher(Source(), "cpu", depth=3))
+    while True:
+        try:
+            events.append(int(next(iterator)))
+        except ValueError as error:
+            events.append(str(error))
+        except StopIteration:
+            break
+    assert events == [0, 1, "batch 2", "batch 3", 4, 5]
+    with pytest.raises(StopIteration):  # the end stays the end
+        next(iterator)
+
+
+def test_prefetcher_raises_a_transform_error_in_its_place():
+    def fails_on_two(batch):
+        if int(batch) == 2:
+            raise RuntimeError("transform failed on 2")
+        return batch
+
+    batches = [torch.tensor([value]) for value in range(5)]
+    iterator = iter(DevicePrefetcher(batches, "cpu", depth=2, transform=fails_on_two))
+    assert [int(next(iterator)), int(next(iterator))] == [0, 1]
+    with pytest.raises(RuntimeError, match="transform failed on 2"):
+        next(iterator)
+    assert [int(batch) for batch in iterator] == [3, 4]

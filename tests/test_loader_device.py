@@ -78,3 +78,55 @@ def test_cuda_loader_batches_equal_the_cpu_batches(num_workers):
         for (values, _), (on_device, _) in zip(cpu, cuda, strict=True):
             assert on_device.is_cuda
             assert torch.equal(on_device.cpu(), values * 2)
+
+
+class _FailsAt(torch.utils.data.Dataset):
+    """Yields its index; raises at the indices in ``bad``."""
+
+    def __init__(self, length, bad):
+        self.length, self.bad = length, set(bad)
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index):
+        if index in self.bad:
+            raise ValueError(f"bad sample {index}")
+        return index
+
+
+def _events(loader, stop_at_error=False):
+    """First sample of each batch, "ERR" for a raised batch; stops after an error if asked."""
+    events, iterator = [], iter(loader)
+    while True:
+        try:
+            events.append(int(next(iterator)[0]))
+        except StopIteration:
+            return events
+        except ValueError:
+            events.append("ERR")
+            if stop_at_error:
+                return events
+
+
+# errors near the start, mid-epoch, and within the prefetch depth of the end
+@pytest.mark.parametrize("bad", [(21,), (1, 13), (37,), (30, 38)])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_device_keeps_a_batch_error_in_its_place_and_resume_after_it_is_exact(num_workers, bad):
+    def make(**device):
+        return DataLoader(_FailsAt(40, bad), batch_size=4, num_workers=num_workers, **device)
+
+    with make() as plain, make(device="cpu", device_prefetch=2) as on_cpu:
+        expected = _events(plain)
+        assert _events(on_cpu) == expected
+    assert expected.count("ERR") == len({index // 4 for index in bad})
+
+    # a user who checkpoints on the first error resumes at exactly the next batch
+    with make(device="cpu") as first:
+        seen = _events(first, stop_at_error=True)
+        state = first.state_dict()
+    assert seen == expected[: len(seen)] and seen[-1] == "ERR"
+    assert state["position"] == 4 * len(seen)
+    with make(device="cpu") as resumed:
+        resumed.load_state_dict(state)
+        assert _events(resumed) == expected[len(seen) :]

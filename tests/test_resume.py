@@ -305,3 +305,59 @@ def test_state_size_does_not_grow_with_the_dataset():
         state = _mid_epoch_state(loader, batches=1)
         sizes.append(len(json.dumps(state)))
     assert abs(sizes[0] - sizes[1]) <= 10  # only the digits of the length differ
+
+
+def _out_of_order_loader(**overrides):
+    settings = dict(batch_size=4, shuffle=True, num_workers=2, seed=5, in_order=False)
+    settings.update(overrides)
+    return DataLoader(RandomDraws(24), **settings)
+
+
+def test_mid_epoch_state_taken_out_of_order_is_refused_naming_in_order():
+    with _out_of_order_loader() as first:
+        iterator = iter(first)
+        next(iterator)
+        next(iterator)
+        state = first.state_dict()  # never raises: Lightning saves on every checkpoint
+    assert state["order"]["in_order"] is False
+    for loader in (_out_of_order_loader(), _out_of_order_loader(in_order=True, num_workers=0)):
+        with loader, pytest.raises(ValueError, match="in_order=False") as caught:
+            loader.load_state_dict(json.loads(json.dumps(state)))
+        assert "epoch boundary" in str(caught.value)
+
+
+def test_out_of_order_state_at_an_epoch_boundary_resumes():
+    expected = [values for values, _ in _out_of_order_loader(num_workers=0)]  # one epoch
+    with _out_of_order_loader() as first:
+        assert sorted(len(values) for values, _ in first) == [4] * 6
+        state = first.state_dict()
+    with _out_of_order_loader(num_workers=0) as resumed:
+        resumed.load_state_dict(state)
+        assert resumed.epoch == 1
+        assert len([values for values, _ in resumed]) == len(expected)
+
+
+def test_in_order_false_without_workers_is_in_order_and_resumes_mid_epoch():
+    expected = [values for values, _ in _loader(0)]
+    first = DataLoader(RandomDraws(22), batch_size=4, shuffle=True, seed=21, in_order=False)
+    iterator = iter(first)
+    seen = [next(iterator)[0] for _ in range(2)]
+    state = first.state_dict()
+    assert state["order"]["in_order"] is True
+    resumed = _loader(0)
+    resumed.load_state_dict(state)
+    rest = [values for values, _ in resumed]
+    assert len(seen + rest) == len(expected)
+    for a, b in zip(seen + rest, expected, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_version_2_state_without_in_order_is_read_as_in_order():
+    first = _loader(0)
+    iterator = iter(first)
+    next(iterator)
+    state = first.state_dict()
+    del state["order"]["in_order"]  # as saved before in_order was recorded
+    resumed = _loader(0)
+    resumed.load_state_dict(state)
+    assert len([values for values, _ in resumed]) == 5
