@@ -197,6 +197,11 @@ class _EpochSchedule:
             self.lengths[self.epoch] = self._sent
         return current
 
+    def finish_epoch(self) -> None:
+        """Count the current epoch's tasks left unsent, so that its ``lengths`` is known."""
+        while self._next is not _END:
+            self._advance()
+
     def next_task(self) -> Task:
         """The next task to send. Raises StopIteration when nothing may be sent now."""
         if self._next is _END:
@@ -387,6 +392,7 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
         self._process_factory = loader.multiprocessing_context or torch.multiprocessing
         self._ledger = DeathLedger()
         self._sent_tasks: dict[int, Task] = {}
+        self._settled: list[tuple[int, Any]] = []  # poison verdicts, handed on as results
         self._resetting = False
         self._replaced = 0  # workers replaced so far
         self._broken: str | None = None
@@ -489,6 +495,7 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         self._sent_tasks.clear()
+        self._settled.clear()
         self._ledger.reset()
         self._resetting = True
         try:
@@ -498,15 +505,24 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
 
     def _next_data(self) -> Any:
         if self._schedule is not None:
+            broken = self._broken is not None
+            if broken and self._schedule.epoch == self._epoch:
+                self._schedule.finish_epoch()  # no more tasks are sent: count them
             length = self._schedule.lengths.get(self._epoch)
             if self._epoch_done or (length is not None and self._delivered >= length):
                 self._epoch_done = True
                 raise StopIteration
+            if broken:  # NOTE [ Supervised workers ]: each remaining batch raises
+                self._delivered += 1
+                raise WorkersLostError(self._broken)
         try:
             return super()._next_data()
         except StopIteration:
             self._epoch_done = True
             self._reseeded = None
+            raise
+        except WorkersLostError:
+            self._delivered += 1  # raised in place of the batch torch was waiting for
             raise
 
     def _process_data(self, data: Any, worker_idx: int) -> Any:
@@ -532,7 +548,9 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
 
     def _get_data(self) -> Any:
         while True:
-            if self._timeout > 0 or self._pin_memory or self._broken is not None:
+            if self._settled:  # a poison verdict is the result of its task
+                idx, data = self._settled.pop(0)
+            elif self._timeout > 0 or self._pin_memory or self._broken is not None:
                 idx, data = self._receive()
             else:  # the common case of _receive, without its checks
                 success, item = self._try_get_data()
@@ -559,6 +577,8 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
             success, data = self._try_get_data(self._timeout)
             if success:
                 return data
+            if self._settled:
+                return self._settled.pop(0)
             raise RuntimeError(self._stall_report())
         while True:
             if self._pin_memory and not self._pin_memory_thread.is_alive():
@@ -566,6 +586,8 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
             success, data = self._try_get_data()
             if success:
                 return data
+            if self._settled:
+                return self._settled.pop(0)
 
     def _try_get_data(self, timeout: float = _utils.MP_STATUS_CHECK_INTERVAL) -> Any:
         if not self._supervised:
@@ -580,6 +602,8 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
                 if not dead:
                     raise
                 self._heal(dead)
+                if self._settled:
+                    return False, None
                 success, data = False, None
             except (OSError, EOFError):
                 # A result whose tensors lived in a worker that has died cannot be rebuilt.
@@ -587,6 +611,8 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
                 dead = self._wait_for_a_death(1.0)
                 if dead:
                     self._heal(dead)
+                    if self._settled:
+                        return False, None
                 elif not self._replaced:
                     raise
                 success, data = False, None
@@ -634,7 +660,8 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
                 self._broken = (
                     f"fastloader: DataLoader worker {slot} died again before delivering a batch "
                     f"(pid {old.pid} {describe_exit(exitcode)}); workers cannot be restored. "
-                    "Every epoch of this loader raises this error."
+                    "Every remaining batch of this epoch raises this error; the next epoch "
+                    "starts fresh workers."
                 )
                 raise WorkersLostError(self._broken)
             release_orphaned_write_lock(self._worker_result_queue)
@@ -660,9 +687,11 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
             return
         task = self._sent_tasks.pop(current)
         message = self._ledger.poison_message(current, task)
-        self._task_info[current] = (slot, error_result(PoisonSampleError(message)))
-        self._tasks_outstanding -= 1
+        # Handed on by _get_data as the task's result, so torch's loop goes on even when no
+        # other result will come (the following tasks are poison too).
+        self._settled.append((current, error_result(PoisonSampleError(message))))
         unfinished.remove(current)
+        self._ledger.progressed(slot)  # a poison verdict settles a task: that is progress
 
     def _start_worker(self, slot: int) -> None:
         index_queue = self._process_factory.Queue()

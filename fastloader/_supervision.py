@@ -15,9 +15,13 @@ just before dying) is dropped.
 Each worker writes the number of the task it is loading into a shared array before loading
 it, so a death is blamed on that task only. A task blamed for ``POISON_DEATHS`` deaths is a
 poison sample: it becomes an error result for its batch (like an exception in
-``dataset[i]``), naming the epoch and indices, and the epoch goes on. A slot whose
-replacements keep dying without delivering anything means workers cannot be restored: the
-pool is marked broken and every epoch raises ``WorkersLostError``.
+``dataset[i]``), naming the epoch and indices, and the epoch goes on; the verdict settles the
+task, so it counts as progress of its slot. A slot whose replacements keep dying without
+delivering anything (or settling a poison task) means workers cannot be restored: the pool is
+marked broken, and every remaining ``next()`` of the epoch raises ``WorkersLostError`` (one
+result per batch, so a loop that catches errors and goes on still sees ``len(loader)``
+results, never a short epoch); the next epoch starts a fresh pool, which raises again if its
+workers cannot be restored either.
 """
 
 from __future__ import annotations

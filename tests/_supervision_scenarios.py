@@ -197,6 +197,77 @@ def unrestorable():
     print(json.dumps({"outcomes": outcomes}), flush=True)
 
 
+class KillsItsWorkerAt(Dataset):
+    """Each sample in ``poison`` kills the process that loads it, every time."""
+
+    def __init__(self, poison):
+        self.poison = set(poison)
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        if i in self.poison and torch.utils.data.get_worker_info() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return i
+
+
+def _results(loader):
+    """Every result of one epoch, going on after errors as the README suggests."""
+    results = []
+    iterator = iter(loader)
+    while len(results) < 3 * len(loader):  # bounded even if an epoch never ends
+        try:
+            results.append(next(iterator).tolist())
+        except StopIteration:
+            break
+        except RuntimeError as error:
+            results.append(f"{type(error).__name__}: {error}")
+    return results
+
+
+def consecutive_poison():
+    """Poison batches one after another, on one worker and on two."""
+    report = {}
+    cases = (("one_worker", [5, 6, 7], 1, 1), ("two_workers", range(4, 16), 2, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, poison, workers, batch_size in cases:
+            loader = DataLoader(
+                KillsItsWorkerAt(poison), batch_size=batch_size, num_workers=workers
+            )
+            report[name] = [_results(loader) for _ in range(2)]
+            loader.close()
+    print(json.dumps(report), flush=True)
+
+
+def lost_continue():
+    """Workers lost mid-epoch; the loop catches each error and goes on: never a short epoch."""
+    loader = DataLoader(range(16), batch_size=2, num_workers=2, worker_init_fn=_die_if_marked)
+    epochs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = []
+        iterator = iter(loader)
+        while len(results) < 3 * len(loader):
+            try:
+                results.append(next(iterator).tolist())
+            except StopIteration:
+                break
+            except RuntimeError as error:
+                results.append(f"{type(error).__name__}: {error}")
+            if len(results) == 2:
+                os.environ["FASTLOADER_TEST_DIE"] = "1"  # replacements now die as they start
+                for pid in loader.worker_pids:
+                    os.kill(pid, signal.SIGKILL)
+        epochs.append(results)
+        epochs.append(_results(loader))  # a fresh pool, whose workers die too
+        os.environ["FASTLOADER_TEST_DIE"] = "0"
+        epochs.append(_results(loader))  # workers can be restored again
+    loader.close()
+    print(json.dumps({"epochs": epochs, "length": len(loader)}), flush=True)
+
+
 def _die_if_marked(worker_id):
     if os.environ.get("FASTLOADER_TEST_DIE") == "1":
         os.kill(os.getpid(), signal.SIGKILL)

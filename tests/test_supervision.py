@@ -90,6 +90,46 @@ def test_workers_that_cannot_be_restored_make_every_epoch_raise():
         assert "cannot be restored" in outcome
 
 
+def _expected(poison, batch_size, length=24):
+    """Each batch: its indices, or "poison" where one of its samples kills its worker."""
+    batches = [list(range(i, min(i + batch_size, length))) for i in range(0, length, batch_size)]
+    return [("poison" if set(b) & set(poison) else b) for b in batches]
+
+
+def test_poison_batches_one_after_another_each_raise_and_the_epoch_goes_on():
+    # Each poison verdict settles its task: it is progress, not a worker that cannot be
+    # restored (that used to raise WorkersLostError, or wait forever for the next result).
+    report = _run("consecutive_poison", timeout=180)
+    cases = {"one_worker": ([5, 6, 7], 1), "two_workers": (range(4, 16), 2)}
+    for name, (poison, batch_size) in cases.items():
+        for epoch, results in enumerate(report[name]):
+            expected = _expected(poison, batch_size)
+            assert len(results) == len(expected), (name, epoch, results)
+            for want, got in zip(expected, results, strict=True):
+                if want == "poison":
+                    assert isinstance(got, str) and got.startswith("PoisonSampleError"), got
+                    assert f"epoch {epoch}" in got
+                else:
+                    assert got == want, (name, epoch, results)
+
+
+def test_after_workers_are_lost_every_remaining_batch_of_the_epoch_raises():
+    # A loop that catches errors per batch and goes on sees len(loader) results, never a
+    # short epoch; the next epoch starts a fresh pool (and raises again while it cannot).
+    report = _run("lost_continue")
+    length = report["length"]
+    lost, again, restored = report["epochs"]
+    delivered = [r for r in lost if not isinstance(r, str)]
+    assert len(delivered) >= 2 and delivered == [
+        [i, i + 1] for i in range(0, 2 * len(delivered), 2)
+    ]
+    assert len(lost) == length and len(again) == length  # every batch: delivered or raised
+    for outcome in lost[len(delivered) :] + again:
+        assert isinstance(outcome, str) and outcome.startswith("WorkersLostError"), outcome
+        assert "cannot be restored" in outcome
+    assert restored == [[i, i + 1] for i in range(0, 16, 2)]
+
+
 def test_workers_exit_soon_after_the_main_process_is_killed_inside_a_long_getitem():
     child = subprocess.Popen(
         [sys.executable, SCENARIOS, "orphan"],
