@@ -59,6 +59,12 @@ class _Env(NamedTuple):
 # 3. every value LMDB returns is checked to lie inside [mapping start, start + file size)
 #    before anything reads it (the start comes from /proc/self/maps; elsewhere only the length
 #    is checked against the file size).
+# KNOWN GAP (open): py-lmdb reads one byte of every page of a value before handing it back
+# (Transaction.get's "preload"; Cursor.value does the same in py-lmdb 3.0), so a value whose
+# stored size runs past the map can still crash the process (SIGSEGV, about 1 run in 5-20,
+# depending on what lies past the map) before step 3 sees it. Closing it needs the leaf
+# nodes checked before py-lmdb is asked for the value (e.g. an index of each record's overflow
+# page and size, built and checked at open).
 
 
 class _Environments:
