@@ -241,12 +241,6 @@ def _read_in_subprocess(path: Path) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="KNOWN GAP (issue 10, open): py-lmdb touches a value's pages before fastloader can "
-    "check it, so this crafted size still crashes the reader in about 1 run in 5-20 (SIGSEGV); "
-    "see NOTE [ LMDB values checked against the file ] in formats/lmdb.py",
-)
 def test_lmdb_value_size_past_the_file_end_is_an_error_not_sigbus(tmp_path):
     # The SIGBUS of issue 10: LMDB trusts a big value's size from its leaf node; enlarged, the
     # value runs past the end of the file inside the memory map, and touching it kills the

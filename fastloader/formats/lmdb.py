@@ -8,6 +8,7 @@ Keys: ``>Q`` index -> record; ``__targets__`` -> int64 labels; with source paths
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from collections.abc import Callable, Sequence
@@ -17,7 +18,7 @@ from typing import NamedTuple
 import lmdb
 import numpy as np
 
-from fastloader.formats.lmdb_checks import check_lmdb_file, mapping_start
+from fastloader.formats.lmdb_checks import check_lmdb_file, mapping_start, value_lies_in_file
 from fastloader.formats.metadata import check_array, check_targets, load_metadata
 from fastloader.formats.packfile import PackFile, PackWriter, file_identity
 from fastloader.formats.records import PackError
@@ -42,6 +43,13 @@ class _Env(NamedTuple):
     identity: tuple[int, int, int, int]
     start: int | None
     size: int
+    file: mmap.mmap  # our own read-only map of the file, to check nodes before LMDB reads them
+    psize: int
+    root: int
+
+    def close(self) -> None:
+        self.env.close()
+        self.file.close()
 
 
 # NOTE [ LMDB values checked against the file ]
@@ -59,12 +67,13 @@ class _Env(NamedTuple):
 # 3. every value LMDB returns is checked to lie inside [mapping start, start + file size)
 #    before anything reads it (the start comes from /proc/self/maps; elsewhere only the length
 #    is checked against the file size).
-# KNOWN GAP (open): py-lmdb reads one byte of every page of a value before handing it back
-# (Transaction.get's "preload"; Cursor.value does the same in py-lmdb 3.0), so a value whose
-# stored size runs past the map can still crash the process (SIGSEGV, about 1 run in 5-20,
-# depending on what lies past the map) before step 3 sees it. Closing it needs the leaf
-# nodes checked before py-lmdb is asked for the value (e.g. an index of each record's overflow
-# page and size, built and checked at open).
+#    Before that, the path to the value is walked in our own read-only map of the file
+#    (lmdb_checks.value_lies_in_file): page numbers, node offsets, the value's size and its
+#    overflow page, all against the file. This must come first: py-lmdb reads one byte of
+#    every page of a value before handing it back (Transaction.get's "preload"; Cursor.value
+#    does the same in py-lmdb 3.0), so a stored size that runs past the map crashed the
+#    process (SIGSEGV or SIGBUS, depending on what lies past the map) before a check on the
+#    returned view could run.
 
 
 class _Environments:
@@ -89,7 +98,7 @@ class _Environments:
             self._open[identity] = (pid, entry[1], entry[2] + 1)
             return entry[1]
         if entry is not None:
-            entry[1].env.close()
+            entry[1].close()
         handle = _open_environment(path, identity)
         self._open[identity] = (pid, handle, 1)
         return handle
@@ -102,12 +111,12 @@ class _Environments:
             self._open[handle.identity] = (entry[0], entry[1], entry[2] - 1)
         else:
             del self._open[handle.identity]
-            handle.env.close()
+            handle.close()
 
 
 def _open_environment(path: Path, identity: tuple[int, int, int, int]) -> _Env:
     size = identity[2]
-    check_lmdb_file(path, size)  # NOTE [ LMDB values checked against the file ], step 1
+    psize, root = check_lmdb_file(path, size)  # NOTE [ LMDB values checked ... ], step 1
     try:
         env = lmdb.open(
             str(path),
@@ -128,13 +137,16 @@ def _open_environment(path: Path, identity: tuple[int, int, int, int]) -> _Env:
         if file_identity(path) != identity:
             raise PackError(f"{path}: the file changed while it was being opened")
         start = mapping_start(path, identity, env.info()["map_size"])
+        # after mapping_start, which looks for LMDB's map as the only one of this length
+        with open(path, "rb") as opened:
+            file = mmap.mmap(opened.fileno(), size, access=mmap.ACCESS_READ)
     except lmdb.Error as error:
         env.close()
         raise PackError(f"{path}: damaged LMDB file ({error})") from None
     except BaseException:
         env.close()
         raise
-    return _Env(env, identity, start, size)
+    return _Env(env, identity, start, size, file, psize, root)
 
 
 _environments = _Environments()
@@ -157,6 +169,11 @@ class LMDBPack(PackFile):
 
     def _get(self, handle: _Env, txn: lmdb.Transaction, key: bytes, what: str) -> memoryview | None:
         """``txn.get(key)``, checked to lie inside the file (NOTE [ LMDB values ... ], step 3)."""
+        inside = value_lies_in_file(handle.file, handle.psize, handle.root, key)  # step 3
+        if inside is None:
+            return None
+        if not inside:
+            raise PackError(f"{self.path}: damaged LMDB file ({what} lies outside the file)")
         try:
             value = txn.get(key)
         except lmdb.Error as error:

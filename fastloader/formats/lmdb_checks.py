@@ -49,8 +49,11 @@ def _meta(path: Path, page: bytes) -> dict:
     }
 
 
-def check_lmdb_file(path: Path, size: int) -> None:
+def check_lmdb_file(path: Path, size: int) -> tuple[int, int]:
     """Check the meta pages of the LMDB file at ``path`` (``size`` bytes) against its size.
+
+    Returns:
+        (page size, root page of the main database) of the meta page LMDB will use.
 
     Raises:
         PackError: naming the file, if it is not LMDB, or its meta page points outside it.
@@ -79,6 +82,84 @@ def check_lmdb_file(path: Path, size: int) -> None:
             raise PackError(f"{path}: damaged LMDB file ({name} database statistics)")
     if meta["main"]["flags"] != 0:
         raise PackError(f"{path}: not a fastloader LMDB pack (database flags)")
+    return psize, meta["main"]["root"]
+
+
+# The B-tree pages a value lookup walks (64-bit build): the 16-byte page header above, then
+# u16 offsets of the page's nodes; a node is lo u16, hi u16, flags u16, key size u16, the key,
+# then the data. A branch node's child page is lo | hi << 16 | flags << 32 (its first key is
+# empty: everything below the second key); a leaf node's data size is lo | hi << 16, and with
+# F_BIGDATA its data is the u64 number of the overflow page whose body holds the value.
+_NODE = struct.Struct("<HHHH")
+_PGNO = struct.Struct("<Q")
+_P_BRANCH, _P_LEAF = 0x01, 0x02
+_F_BIGDATA = 0x01
+_HEADER = 16
+
+
+def value_lies_in_file(file: bytes | memoryview, psize: int, root: int, key: bytes) -> bool | None:
+    """Whether the value stored under ``key`` lies inside ``file`` (the whole LMDB file).
+
+    Walks the B-tree from ``root`` as LMDB will, checking every page number, node offset and
+    size against the file, so that LMDB (and py-lmdb, which reads a value's pages before
+    returning it) is only asked for a value that is inside the file. See NOTE [ LMDB values
+    checked against the file ] in ``lmdb.py``.
+
+    Returns:
+        True if it does, False if something on the way points outside the file or page,
+        None if ``key`` is not in the tree.
+    """
+    if root == _P_INVALID:  # an empty database
+        return None
+    size, pages = len(file), len(file) // psize
+    pgno = root
+    for _ in range(_MAX_DEPTH + 1):
+        if pgno >= pages:
+            return False
+        base = pgno * psize
+        _, _, flags, lower, upper = _PAGE_HEADER.unpack_from(file, base)
+        count = (lower - _HEADER) // 2
+        if lower < _HEADER or lower > psize or count <= 0 and flags & _P_BRANCH:
+            return False
+        offsets = struct.unpack_from(f"<{count}H", file, base + _HEADER)
+
+        page = (file, base, offsets, lower, psize)
+        try:
+            if flags & _P_BRANCH:
+                low, high = 1, count - 1  # the last node whose key <= key (node 0: -inf)
+                chosen = 0
+                while low <= high:
+                    middle = (low + high) // 2
+                    if _key(page, middle) <= key:
+                        chosen, low = middle, middle + 1
+                    else:
+                        high = middle - 1
+                _, lo, hi, node_flags, _ = _node(page, chosen)
+                pgno = lo | hi << 16 | node_flags << 32
+                continue
+            if not flags & _P_LEAF:
+                return False
+            low, high = 0, count - 1
+            while low <= high:
+                middle = (low + high) // 2
+                found = _key(page, middle)
+                if found == key:
+                    at, lo, hi, node_flags, ksize = _node(page, middle)
+                    data_size, data_at = lo | hi << 16, at + _NODE.size + ksize
+                    if not node_flags & _F_BIGDATA:
+                        return data_at + data_size <= psize
+                    if data_at + _PGNO.size > psize:
+                        return False
+                    (overflow,) = _PGNO.unpack_from(file, base + data_at)
+                    return overflow < pages and overflow * psize + _HEADER + data_size <= size
+                if found < key:
+                    low = middle + 1
+                else:
+                    high = middle - 1
+            return None
+        except (ValueError, struct.error):
+            return False
+    return False
 
 
 def mapping_start(path: Path, identity: tuple[int, int, int, int], map_size: int) -> int | None:
@@ -102,3 +183,21 @@ def mapping_start(path: Path, identity: tuple[int, int, int, int], map_size: int
         if end - start == length:
             found.append(start)
     return found[-1] if len(found) == 1 else None
+
+
+def _node(page: tuple, i: int) -> tuple[int, int, int, int, int]:
+    """Node ``i`` of a page: (offset, lo, hi, flags, key size), checked to lie in the page."""
+    file, base, offsets, lower, psize = page
+    at = offsets[i]
+    if at < lower or at + _NODE.size > psize:
+        raise ValueError
+    lo, hi, node_flags, ksize = _NODE.unpack_from(file, base + at)
+    if at + _NODE.size + ksize > psize:
+        raise ValueError
+    return at, lo, hi, node_flags, ksize
+
+
+def _key(page: tuple, i: int) -> bytes:
+    at, _, _, _, ksize = _node(page, i)
+    start = page[1] + at + _NODE.size
+    return bytes(page[0][start : start + ksize])
