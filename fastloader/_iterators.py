@@ -494,6 +494,12 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
         return task
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        if first_iter and self._supervised and self._worker_pids_set:
+            # torch registered the new workers with its SIGCHLD handler just before this first
+            # reset; a worker dying while it runs would raise inside it. Unregister them now
+            # (see __init__).
+            _utils.signal_handling._remove_worker_pids(id(self))
+            self._worker_pids_set = False
         self._sent_tasks.clear()
         self._settled.clear()
         self._ledger.reset()
