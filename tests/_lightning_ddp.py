@@ -53,7 +53,16 @@ class Recorder(pl.LightningModule):
 
 class Data(pl.LightningDataModule):
     def train_dataloader(self):
-        return DataLoader(RandomDraws(48), batch_size=4, shuffle=True, num_workers=1, seed=5)
+        # forkserver: a worker forked straight from a DDP rank (gloo and Lightning threads
+        # running) can deadlock inside fork() itself; seen once in CI.
+        return DataLoader(
+            RandomDraws(48),
+            batch_size=4,
+            shuffle=True,
+            num_workers=1,
+            seed=5,
+            multiprocessing_context="forkserver",
+        )
 
     def val_dataloader(self):
         # 17 samples, 2 per rank and step: rank 0 takes 5 batches, rank 1 takes 4
