@@ -259,6 +259,38 @@ def test_lmdb_value_size_past_the_file_end_is_an_error_not_sigbus(tmp_path):
     assert f"p.lmdb: damaged LMDB file (record {index} lies outside the file)" in run.stdout
 
 
+@pytest.mark.parametrize("order", [[2, 0, 1, 3, 4, 5], [0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0]])
+def test_lmdb_one_damaged_node_fails_only_its_record_in_any_read_order(tmp_path, order):
+    # Records are located from leaves parsed once (NOTE [ Record spans ]): whether the damaged
+    # record is read first (its leaf not yet parsed) or after its neighbours, it is a PackError
+    # and every other record of the leaf still reads its own pixels.
+    path = _write(tmp_path / "p.lmdb", "lmdb")
+    data = bytearray(path.read_bytes())
+    nodes = {int.from_bytes(k, "big"): o for o, _, f, k in _leaf_nodes(bytes(data)) if len(k) == 8}
+    struct.pack_into("<HH", data, nodes[2], 0, 0x7FFF)  # record 2's size: ~2 GiB
+    path.write_bytes(data)
+    code = textwrap.dedent(f"""
+        from fastloader import PackError, LMDBDataset
+        dataset = LMDBDataset({str(path)!r}, decode="numpy")
+        for index in {order!r}:
+            try:
+                pixels, label = dataset[index]
+                print(index, "read", int(pixels.min()), int(pixels.max()), label)
+            except PackError as error:
+                print(index, "PackError", error)
+    """)
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path.cwd())},
+    )  # fmt: skip
+    assert run.returncode == 0, f"crashed ({run.returncode}): {run.stderr[-2000:]}"
+    lines = dict(line.split(" ", 1) for line in run.stdout.splitlines())
+    assert lines.pop("2") == (
+        f"PackError {path}: damaged LMDB file (record 2 lies outside the file)"
+    )
+    assert lines == {str(i): f"read {i} {i} {i % 2}" for i in (0, 1, 3, 4, 5)}
+
+
 @pytest.mark.parametrize("field", ["last page", "root page", "page size", "magic"])
 def test_lmdb_meta_page_pointing_outside_the_file_is_refused(tmp_path, field):
     path = _write(tmp_path / "p.lmdb", "lmdb")

@@ -18,7 +18,12 @@ from typing import NamedTuple
 import lmdb
 import numpy as np
 
-from fastloader.formats.lmdb_checks import check_lmdb_file, mapping_start, value_lies_in_file
+from fastloader.formats.lmdb_checks import (
+    RecordSpans,
+    check_lmdb_file,
+    mapping_start,
+    value_lies_in_file,
+)
 from fastloader.formats.metadata import check_array, check_targets, load_metadata
 from fastloader.formats.packfile import PackFile, PackWriter, file_identity
 from fastloader.formats.records import PackError
@@ -44,12 +49,18 @@ class _Env(NamedTuple):
     start: int | None
     size: int
     file: mmap.mmap  # our own read-only map of the file, to check nodes before LMDB reads them
+    view: memoryview  # of ``file``: records are read from it (NOTE [ Record spans ])
     psize: int
     root: int
+    spans: dict[str, RecordSpans]  # "records": made at the first record read
 
     def close(self) -> None:
         self.env.close()
-        self.file.close()
+        self.view.release()
+        try:
+            self.file.close()
+        except BufferError:  # a record view still alive: unmapped when the last one goes
+            pass
 
 
 # NOTE [ LMDB values checked against the file ]
@@ -146,7 +157,7 @@ def _open_environment(path: Path, identity: tuple[int, int, int, int]) -> _Env:
     except BaseException:
         env.close()
         raise
-    return _Env(env, identity, start, size, file, psize, root)
+    return _Env(env, identity, start, size, file, memoryview(file), psize, root, {})
 
 
 _environments = _Environments()
@@ -241,15 +252,22 @@ class LMDBPack(PackFile):
             return bytes(blob[start:end])
 
     def _read_each(self, handle: _Env, indices: Sequence[int], use: Callable) -> list:
-        # buffers=True: values are views into the memory map, valid inside the transaction.
-        try:
-            with handle.env.begin(buffers=True) as txn:
-                return [
-                    use(index, self._get(handle, txn, _key(index), f"record {index}"))
-                    for index in indices
-                ]
-        except lmdb.Error as error:
-            raise PackError(f"{self.path}: damaged LMDB file ({error})") from None
+        # Records are views into fastloader's own map of the file, located and checked by
+        # RecordSpans (NOTE [ Record spans ]); py-lmdb reads only the metadata and labels.
+        spans = handle.spans.get("records")
+        if spans is None:
+            spans = RecordSpans(handle.file, handle.psize, handle.root, len(self.targets))
+            handle.spans["records"] = spans
+        results = []
+        for index in indices:
+            span = spans.span(index, _key(index))
+            if span is False:
+                raise PackError(
+                    f"{self.path}: damaged LMDB file (record {index} lies outside the file)"
+                )
+            value = None if span is None else handle.view[span[0] : span[0] + span[1]]
+            results.append(use(index, value))
+        return results
 
 
 class LMDBWriter(PackWriter):
