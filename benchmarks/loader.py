@@ -28,6 +28,7 @@ from torch.utils.data import Dataset
 
 from benchmarks._photos import photo_jpegs
 from benchmarks._progress import note
+from benchmarks._stats import paired_ratio
 from fastloader import DataLoader
 from fastloader.seeding import sample_seed, seed_rngs
 
@@ -76,8 +77,9 @@ def _loaders(dataset: Dataset, batch: int) -> dict[str, Any]:
 
 
 def _time_epochs(loader: Any, epochs: int, step_s: float) -> dict[str, list[float]]:
-    """Per epoch: time to the first batch, then samples/s and mean interval of the others."""
-    first_batch, steady, intervals = [], [], []
+    """Per epoch: time to the first batch, then samples/s and mean interval of the others, and
+    samples/s of the whole epoch (its first batch included)."""
+    first_batch, steady, intervals, whole = [], [], [], []
     for _ in range(epochs):
         started = time.perf_counter()
         iterator = iter(loader)
@@ -92,22 +94,34 @@ def _time_epochs(loader: Any, epochs: int, step_s: float) -> dict[str, list[floa
         elapsed = time.perf_counter() - first
         steady.append(samples / elapsed)
         intervals.append(elapsed / max(batches, 1))
-    return {"first_batch_s": first_batch, "steady_samples_per_s": steady, "interval_s": intervals}
+        whole.append((samples + len(images)) / (time.perf_counter() - started))
+    return {
+        "first_batch_s": first_batch,
+        "steady_samples_per_s": steady,
+        "interval_s": intervals,
+        "epoch_samples_per_s": whole,
+    }
 
 
-def _throughput(jpegs: list[bytes], batch: int, rounds: int) -> dict[str, list[float]]:
-    """Steady samples/s with no training step, loaders taking turns so noise hits all alike."""
+def _throughput(
+    jpegs: list[bytes], batch: int, rounds: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Samples/s with no training step, loaders taking turns so noise hits all alike: steady
+    (after each epoch's first batch) and whole epochs, two epochs per loader per round."""
     loaders = _loaders(JpegPhotos(jpegs), batch)
     names = list(loaders)
-    rates: dict[str, list[float]] = {name: [] for name in names}
+    steady: dict[str, list[float]] = {name: [] for name in names}
+    whole: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(rounds):
         note(f"steady throughput, round {round_ + 1} of {rounds}")
         for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
-            rates[name] += _time_epochs(loaders[name], 2, 0.0)["steady_samples_per_s"]
+            timed = _time_epochs(loaders[name], 2, 0.0)
+            steady[name] += timed["steady_samples_per_s"]
+            whole[name] += timed["epoch_samples_per_s"]
     for loader in loaders.values():
         if hasattr(loader, "close"):
             loader.close()
-    return rates
+    return steady, whole
 
 
 def _epoch_comparison(jpegs: list[bytes], epochs: int, batch: int, step_s: float) -> dict:
@@ -170,8 +184,12 @@ def run(size: str, workdir: Path) -> dict:
     samples, batch, rounds, epochs, startup_s, seeding_samples = SIZES[size]
     note("making the photos")
     jpegs = photo_jpegs(samples)
-    rates = _throughput(jpegs, batch, rounds)
+    rates, whole_epochs = _throughput(jpegs, batch, rounds)
     steady = {name: statistics.median(values) for name, values in rates.items()}
+
+    def vs(name: str, base: str, measured: dict[str, list[float]] = rates) -> float:
+        return paired_ratio(measured[name], measured[base])
+
     step_s = STEP_IN_BATCH_INTERVALS * batch / steady["fastloader"]
     note(f"first batch of {epochs} epochs, with a training step")
     epochs_result = _epoch_comparison(jpegs, epochs, batch, step_s)
@@ -192,7 +210,7 @@ def run(size: str, workdir: Path) -> dict:
             {
                 "loader": name,
                 "steady_samples_per_s": round(steady[name], 1),
-                "vs_torch_steady": round(steady[name] / steady["torch"], 3),
+                "vs_torch_steady": round(vs(name, "torch"), 3),
                 "first_batch_ms_epoch1": round(result["first_batch_s"][0] * 1e3, 1),
                 "first_batch_ms_later_median": round(later_first_batch(name) * 1e3, 2),
                 "batch_interval_ms": round(interval(name) * 1e3, 1),
@@ -215,13 +233,16 @@ def run(size: str, workdir: Path) -> dict:
         },
         "rows": rows,
         "throughput_samples_per_s": rates,
+        "epoch_samples_per_s": whole_epochs,
         "epochs": epochs_result,
         "startup_first_batch_s": startup,
         "seeding": seeding,
         "ratios": {
-            "steady_throughput_vs_torch": steady["fastloader"] / steady["torch"],
-            "steady_throughput_vs_torch_persistent": steady["fastloader"]
-            / steady["torch_persistent"],
+            "steady_throughput_vs_torch": vs("fastloader", "torch"),
+            "steady_throughput_vs_torch_persistent": vs("fastloader", "torch_persistent"),
+            "epoch_throughput_vs_torch_persistent": vs(
+                "fastloader", "torch_persistent", whole_epochs
+            ),
             "epoch_start_speedup_vs_torch_persistent": later_first_batch("torch_persistent")
             / later_first_batch("fastloader"),
             "epoch_start_speedup_vs_torch": later_first_batch("torch")
@@ -235,7 +256,8 @@ def run(size: str, workdir: Path) -> dict:
         "notes": [
             "2 workers, shuffle=True, batches of decoded+cropped JPEG photos",
             f"steady samples/s: no training step; median of {2 * rounds} epochs per loader, "
-            "the loaders taking turns",
+            "the loaders taking turns; ratios are medians of the per-epoch ratios of a round "
+            "(steady: after each epoch's first batch; epoch: the whole epoch)",
             f"epoch start: a {step_s * 1e3:.0f} ms training step per batch "
             f"({STEP_IN_BATCH_INTERVALS}x fastloader's batch time, so the loader keeps up); "
             "first batch of epochs 2..N, median; batch interval: the step as seen by training",

@@ -32,6 +32,7 @@ import torch
 from torch.utils.data import DataLoader as TorchDataLoader
 
 from benchmarks._photos import ImageFolderDataset, image_folder, packed
+from benchmarks._stats import paired_ratio
 from fastloader import DataLoader, ImageFolder, LMDBDataset
 from fastloader import transforms as T
 
@@ -39,7 +40,7 @@ SIZES = {
     #        photos, batch, rounds
     "tiny": (96, 16, 1),
     "quick": (512, 32, 2),
-    "full": (2000, 64, 5),
+    "full": (2000, 64, 9),
 }
 WORKERS = 2
 SKIP_BATCHES = 5  # 2 workers x prefetch 2, + 1
@@ -192,23 +193,27 @@ def run(size: str, workdir: Path) -> dict:
             loader.close()
     del loaders
     median = {name: statistics.median(values) for name, values in rates.items()}
-    base = median["torch_folder"]
+
+    def vs(name: str, base: str) -> float:
+        return paired_ratio(rates[name], rates[base])
+
     rows = [
         {
             "loader": name,
             "samples_per_s": round(rate, 1),
-            "vs_torch": round(rate / base, 3),
-            "vs_dali": round(rate / median["dali_cpu"], 3) if "dali_cpu" in median else None,
+            "vs_torch": round(vs(name, "torch_folder"), 3),
+            "vs_dali": round(vs(name, "dali_cpu"), 3) if "dali_cpu" in median else None,
         }
         for name, rate in median.items()
     ]
     for row in rows:
         if row["vs_dali"] is None:
             del row["vs_dali"]
-    ratios = {f"{name}_vs_torch": rate / base for name, rate in median.items() if rate != base}
+    others = [name for name in rates if name != "torch_folder"]
+    ratios = {f"{name}_vs_torch": vs(name, "torch_folder") for name in others}
     if "dali_cpu" in median:
         for name in ("fastloader_imagefolder_fused", "lmdb_encoded_fused"):
-            ratios[f"{name}_vs_dali"] = median[name] / median["dali_cpu"]
+            ratios[f"{name}_vs_dali"] = vs(name, "dali_cpu")
     return {
         "comparison": "pipeline",
         "config": {
@@ -225,7 +230,8 @@ def run(size: str, workdir: Path) -> dict:
         "peers_skipped": skipped or None,
         "notes": [
             f"steady samples/s per epoch after its first {skip} batches; median of "
-            f"{rounds} interleaved rounds after a warm-up epoch",
+            f"{rounds} interleaved rounds after a warm-up epoch; ratios (vs_torch, vs_dali) "
+            "are medians of the per-round ratios",
             "plain = the PIL transform (as torchvision's); fused = the same transform planned "
             "from the JPEG header (DCT-scaled decode, one resize)",
         ]

@@ -1,0 +1,15 @@
+"""Ratios of interleaved rounds: the comparisons' shared arithmetic."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+
+def paired_ratio(ours: Sequence[float], theirs: Sequence[float]) -> float:
+    """The median of the per-round ratios ``ours[i] / theirs[i]``.
+
+    Rounds take turns, so a slow spell of a shared machine slows both sides of one round: the
+    per-round ratio cancels it, where a ratio of two medians mixes rounds of different speeds.
+    """
+    return statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
