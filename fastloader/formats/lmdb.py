@@ -85,6 +85,9 @@ class _Env(NamedTuple):
 #    does the same in py-lmdb 3.0), so a stored size that runs past the map crashed the
 #    process (SIGSEGV or SIGBUS, depending on what lies past the map) before a check on the
 #    returned view could run.
+#    Records (all but the metadata, labels and source paths) skip py-lmdb altogether: they are
+#    read from our own map at spans checked once per leaf page (NOTE [ Record spans ] in
+#    lmdb_checks.py), which makes the check nearly free per read.
 
 
 class _Environments:
