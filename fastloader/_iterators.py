@@ -76,7 +76,9 @@ from torch.utils.data.dataloader import (
     _SingleProcessDataLoaderIter,
 )
 
+from fastloader import _supervision
 from fastloader._supervision import (
+    NOT_STARTED,
     POISON_DEATHS,
     POLL_S,
     DeathLedger,
@@ -88,6 +90,7 @@ from fastloader._supervision import (
     release_orphaned_write_lock,
     stall_message,
     warn_death,
+    warn_never_started,
 )
 from fastloader._worker_guard import WorkerInit
 from fastloader.samplers import (
@@ -387,8 +390,11 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
             self._schedule = _schedule_for(loader, may_cross)
             self._schedule.start(epoch, skip)
         self._supervised = WorkerPoolIter.supervise and self._schedule is not None
+        self._starting: dict[int, float] = {}  # slot -> when started (NOTE [ Worker start-up ])
+        self._forks = context.get_start_method() == "fork"
         if self._supervised:
-            self._progress = context.RawArray("q", [-1] * loader.num_workers)
+            self._progress = context.RawArray("q", [NOT_STARTED] * loader.num_workers)
+            self._starting = dict.fromkeys(range(loader.num_workers), time.monotonic())
         self._process_factory = loader.multiprocessing_context or torch.multiprocessing
         self._ledger = DeathLedger()
         self._sent_tasks: dict[int, Task] = {}
@@ -624,6 +630,10 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
                 success, data = False, None
             if success:
                 return success, data
+            if self._starting:
+                self._check_starts()
+                if self._settled:
+                    return False, None
             now = time.monotonic()
             if deadline is None:
                 deadline = now + timeout - wait
@@ -651,7 +661,23 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
             time.sleep(0.01)
         return dead
 
-    def _heal(self, slots: list[int]) -> None:
+    def _check_starts(self) -> None:
+        # NOTE [ Worker start-up ] (_supervision.py)
+        now = time.monotonic()
+        for slot, since in list(self._starting.items()):
+            if self._progress[slot] != NOT_STARTED:
+                del self._starting[slot]
+            elif now - since >= _supervision.STARTUP_TIMEOUT_S:
+                del self._starting[slot]
+                worker = self._workers[slot]
+                if not self._forks:
+                    warn_never_started(slot, worker.pid, replaced=False)
+                    continue
+                worker.kill()
+                worker.join(timeout=5.0)
+                self._heal([slot], never_started=True)
+
+    def _heal(self, slots: list[int], never_started: bool = False) -> None:
         for slot in slots:
             old = self._workers[slot]
             old.join(timeout=0)
@@ -682,7 +708,10 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
             for number in unfinished:
                 queue.put((number, self._sent_tasks[number]))
             self._replaced += 1
-            warn_death(slot, old.pid, exitcode, len(unfinished))
+            if never_started:
+                warn_never_started(slot, old.pid, replaced=True)
+            else:
+                warn_death(slot, old.pid, exitcode, len(unfinished))
 
     def _blame(self, slot: int, exitcode: int | None, unfinished: list[int]) -> None:
         # Only the task the worker had started is blamed; see NOTE [ Supervised workers ].
@@ -703,7 +732,8 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
         index_queue = self._process_factory.Queue()
         index_queue.cancel_join_thread()
         self._worker_init_fn.forked_from_main_thread = _in_main_thread()
-        self._progress[slot] = -1
+        self._progress[slot] = NOT_STARTED
+        self._starting[slot] = time.monotonic()
         worker = self._process_factory.Process(
             target=_utils.worker._worker_loop,
             args=(

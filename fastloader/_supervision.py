@@ -39,6 +39,19 @@ from fastloader._worker_guard import STACK_SIGNAL, stack_file
 POISON_DEATHS = 3  # deaths blamed on one task before it is reported as a poison sample
 RESTARTS_WITHOUT_PROGRESS = 5  # replacements of one slot in a row that deliver nothing
 POLL_S = 0.1  # how long the main process waits on the data queue before checking workers
+NOT_STARTED = -2  # a worker's progress slot until its first Python code runs (WorkerInit)
+STARTUP_TIMEOUT_S = 60.0  # a worker that has not started by then: see NOTE [ Worker start-up ]
+
+# NOTE [ Worker start-up ]
+# A worker forked from a process in which other threads run (a DDP rank's communication
+# threads, a Lightning or user thread) can inherit a lock that one of those threads held at the
+# fork, and deadlock in the child before it runs any Python: alive, never loading anything, so
+# neither death detection nor anything else would end the wait. Each worker therefore marks its
+# progress slot as soon as its first Python code runs (WorkerInit); a slot still unmarked
+# STARTUP_TIMEOUT_S after the worker was started means it never started. A forked worker
+# cannot be slow to start (it imports and unpickles nothing), so it is killed and replaced like
+# a dead one (the deadlock is a race: the replacement starts); a spawned or forkserver worker
+# can be (imports, a large dataset to unpickle), so it is only reported, once.
 
 
 class PoisonSampleError(RuntimeError):
@@ -75,6 +88,27 @@ def warn_death(slot: int, pid: int | None, exitcode: int | None, resent: int) ->
         f"fastloader: DataLoader worker {slot} (pid {pid}) {describe_exit(exitcode)}; "
         f"started a replacement and re-sent its {resent} unfinished batch(es). "
         "The epoch's batches are unchanged.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def warn_never_started(slot: int, pid: int | None, replaced: bool) -> None:
+    """Warn once about a worker that did not start (NOTE [ Worker start-up ])."""
+    if replaced:
+        what = (
+            "was stuck before running any Python code (a forked process can deadlock on a lock "
+            "another thread held at the fork); it was killed and replaced, and its batches "
+            "re-sent. multiprocessing_context='forkserver' avoids such forks."
+        )
+    else:
+        what = (
+            "has not started yet (still importing, or unpickling the dataset, or stuck); "
+            "the loader keeps waiting for it."
+        )
+    warnings.warn(
+        f"fastloader: DataLoader worker {slot} (pid {pid}) did not start within "
+        f"{STARTUP_TIMEOUT_S:g} s: it {what}",
         RuntimeWarning,
         stacklevel=4,
     )

@@ -82,6 +82,8 @@ class WorkerInit:
         info = get_worker_info()
         if isinstance(info.dataset, SeededDataset):
             info.dataset.slot = worker_id
+            if info.dataset.progress is not None:  # started: NOTE [ Worker start-up ]
+                info.dataset.progress[worker_id] = -1
         if isinstance(info.dataset, (SeededDataset, SeededIterableDataset)):
             object.__setattr__(info, "dataset", info.dataset.dataset)
         if self.user_fn is None:

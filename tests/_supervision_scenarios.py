@@ -6,6 +6,7 @@ wrong is seen as a crash or a timeout of the child process, not of the test runn
 """
 
 import json
+import multiprocessing.context
 import os
 import signal
 import sys
@@ -295,6 +296,43 @@ def stalled():
     pids = loader.worker_pids
     loader.close()
     print(json.dumps({"message": message, "pids": pids}), flush=True)
+
+
+class _HangsBeforePython(multiprocessing.context.ForkProcess):
+    """A forked worker that, the first time only, hangs before running any of torch's or
+    fastloader's code: what a fork that inherited a held lock does."""
+
+    def run(self):
+        try:
+            os.close(os.open(os.environ["FASTLOADER_TEST_HANG_ONCE"], os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return super().run()
+        time.sleep(600)
+
+
+class _HangOnceContext(multiprocessing.context.ForkContext):
+    Process = _HangsBeforePython
+
+
+def never_started():
+    """One worker never starts: it is replaced after STARTUP_TIMEOUT_S; epochs equal clean."""
+    from fastloader import _supervision
+
+    _supervision.STARTUP_TIMEOUT_S = 1.0
+    reference = _epochs(_loader())
+    loader = _loader(multiprocessing_context=_HangOnceContext())
+    started = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        epochs = _epochs(loader)
+    report = {
+        "equal": epochs == reference,
+        "seconds": time.monotonic() - started,
+        "warned": [str(w.message) for w in caught if "DataLoader worker" in str(w.message)],
+        "live": len(loader.worker_pids),
+    }
+    loader.close()
+    print(json.dumps(report), flush=True)
 
 
 def _alive(pid):

@@ -161,3 +161,19 @@ def test_timeout_names_the_stuck_worker_its_indices_and_shows_its_stack():
     assert "it is loading indices [6, 7] (epoch 0)" in message
     assert "Python stack of worker 1" in message
     assert "in __getitem__" in message and "_supervision_scenarios.py" in message
+
+
+def test_a_forked_worker_that_never_starts_is_replaced_and_the_epochs_are_unchanged(tmp_path):
+    # NOTE [ Worker start-up ]: a fork that deadlocks before running Python used to hang the
+    # loop forever (seen once in CI with workers forked from a DDP rank).
+    os.environ["FASTLOADER_TEST_HANG_ONCE"] = str(tmp_path / "hung-once")
+    try:
+        report = _run("never_started")
+    finally:
+        del os.environ["FASTLOADER_TEST_HANG_ONCE"]
+    assert report["equal"] is True
+    assert report["live"] == 2
+    assert len(report["warned"]) == 1
+    assert "did not start within 1 s" in report["warned"][0]
+    assert "killed and replaced" in report["warned"][0]
+    assert report["seconds"] < 60
