@@ -511,7 +511,12 @@ def test_packing_info_and_verify_import_no_torch(folder, tmp_path, suffix):
     # The real console entry, run as a program; -X importtime lists every module it imports
     # (forked packing workers import nothing new: they inherit the parent's modules).
     target = tmp_path / f"p{suffix}"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
     runs = {
         "pack": [str(folder), str(target), "--store", "raw", "--workers", "2", "-q"],
         "info": ["--info", str(target)],

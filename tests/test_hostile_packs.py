@@ -237,8 +237,14 @@ def _read_in_subprocess(path: Path) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "PYTHONPATH": str(Path.cwd())},
+        env=_child_env(),
     )
+
+
+def _child_env() -> dict[str, str]:
+    """The environment of a child that reads a pack: this checkout first on its path."""
+    path = os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path}
 
 
 def test_lmdb_value_size_past_the_file_end_is_an_error_not_sigbus(tmp_path):
@@ -281,7 +287,7 @@ def test_lmdb_one_damaged_node_fails_only_its_record_in_any_read_order(tmp_path,
     """)
     run = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-        env={**os.environ, "PYTHONPATH": str(Path.cwd())},
+        env=_child_env(),
     )  # fmt: skip
     assert run.returncode == 0, f"crashed ({run.returncode}): {run.stderr[-2000:]}"
     lines = dict(line.split(" ", 1) for line in run.stdout.splitlines())

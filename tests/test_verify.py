@@ -107,7 +107,12 @@ VERIFY_COMMANDS = {
 
 def _run_command(command: str, path: Path) -> subprocess.CompletedProcess:
     module, verb = VERIFY_COMMANDS[command]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
     return subprocess.run(
         [sys.executable, "-m", module, verb, str(path)],
         capture_output=True,
