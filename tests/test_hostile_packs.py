@@ -350,3 +350,19 @@ def test_empty_file_and_damaged_start_are_named(tmp_path, h5_pack):
         "but it does not start like one",
     ):
         open_pack(h5_pack)
+
+
+def test_lmdb_records_too_large_for_the_span_table_are_walked_on_every_read(tmp_path, monkeypatch):
+    # NOTE [ Record spans ]: a record over the table's size limit (16 MiB) is not cached but
+    # still read, checked, from a walk of the tree each time. The limit is lowered here.
+    from fastloader.formats import lmdb_checks
+
+    monkeypatch.setattr(lmdb_checks, "_MAX_SIZE", 100)  # the records here are ~4.8 KB
+    path = _write(tmp_path / "p.lmdb", "lmdb")
+    dataset = LMDBDataset(path, decode="numpy")
+    for _ in range(2):
+        for index in (3, 0, 5, 1, 4, 2):
+            pixels, label = dataset[index]
+            assert (pixels.min(), pixels.max(), label) == (index, index, index % 2)
+    spans = dataset._handle_here().spans["records"]
+    assert not spans._spans.any()  # nothing cached: every read above was a walk

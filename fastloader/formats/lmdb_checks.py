@@ -117,8 +117,14 @@ def value_lies_in_file(file: bytes | memoryview, psize: int, root: int, key: byt
     return _value_span(*found) is not None
 
 
-_OUTSIDE = -2  # a RecordSpans entry whose node points outside the file
-_UNKNOWN = -1  # not yet seen
+# A RecordSpans entry is one u64: 0 = not seen yet, _OUTSIDE = its node points outside the
+# file, else size << _OFFSET_BITS | (offset + 1). A record too large or too far into the file
+# for that (16 MiB, 1 TiB) stays 0 and is walked on every read.
+_OFFSET_BITS = 40
+_MAX_SIZE = (1 << (64 - _OFFSET_BITS)) - 2
+_MAX_OFFSET = (1 << _OFFSET_BITS) - 2
+_OFFSET_MASK = (1 << _OFFSET_BITS) - 1
+_OUTSIDE = (1 << 64) - 1
 
 
 class RecordSpans:
@@ -128,30 +134,35 @@ class RecordSpans:
     Python) and then ask py-lmdb for the value: about 7 us of a 12-25 us raw record. Here the
     first lookup that reaches a leaf checks every node in it against the file (page, node
     offset, key, size, overflow page: what ``value_lies_in_file`` checks) and records the
-    (offset, size) of each record key found, so later reads of any record of that leaf are two
-    array lookups and a slice of fastloader's own read-only map of the file. Record keys are
+    (offset, size) of each record key found, so later reads of any record of that leaf are an
+    array lookup and a slice of fastloader's own read-only map of the file. Record keys are
     the big-endian u64 indices LMDBWriter writes; a leaf whose keys are not strictly increasing
-    is not cached (its records are walked each time, as LMDB would). 16 bytes per record.
+    is not cached (its records are walked each time, as LMDB would). 8 bytes per record, in
+    zeroed memory that takes room only as leaves are read.
     """
 
     def __init__(self, file: bytes | memoryview, psize: int, root: int, count: int) -> None:
         self._file, self._psize, self._root = file, psize, root
-        self._spans = np.full((count, 2), _UNKNOWN, dtype=np.int64)
+        self._spans = np.zeros(count, dtype=np.uint64)
+        self._parsed: set[int] = set()  # leaf pages already cached
 
     def span(self, index: int, key: bytes) -> tuple[int, int] | bool | None:
         """(offset, size) of record ``index`` (stored under ``key``) in the file.
 
         Returns False if its node or value points outside the file, None if it is missing.
         """
-        offset, size = self._spans[index]
-        if offset >= 0:
-            return int(offset), int(size)
-        if offset == _OUTSIDE:
+        entry = int(self._spans[index])
+        if entry == _OUTSIDE:
             return False
+        if entry:
+            return (entry & _OFFSET_MASK) - 1, entry >> _OFFSET_BITS
         found = _find_in_leaf(self._file, self._psize, self._root, key)
         if found is None or found is False:
             return found
-        self._cache_leaf(found[0])
+        page = found[0]
+        if page[1] not in self._parsed:
+            self._parsed.add(page[1])
+            self._cache_leaf(page)
         span = _value_span(*found)
         return False if span is None else span
 
@@ -168,9 +179,13 @@ class RecordSpans:
             if len(key) != _PGNO.size:
                 continue
             (index,) = _RECORD_KEY.unpack(key)
-            if index < records:
-                span = _value_span(page, i)
-                self._spans[index] = span if span is not None else (_OUTSIDE, 0)
+            if index >= records:
+                continue
+            span = _value_span(page, i)
+            if span is None:
+                self._spans[index] = _OUTSIDE
+            elif span[0] <= _MAX_OFFSET and span[1] <= _MAX_SIZE:
+                self._spans[index] = span[1] << _OFFSET_BITS | (span[0] + 1)
 
 
 _RECORD_KEY = struct.Struct(">Q")
