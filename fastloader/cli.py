@@ -177,7 +177,12 @@ def describe(path: str) -> str:
     info = metadata.get("info") or {}
     lines = [
         f"path:     {path}",
-        f"backend:  {metadata['backend']} (format version {metadata['version']})",
+        f"backend:  {metadata['backend']} (format version {metadata['version']})"
+        + (
+            ": record checksums not bound to positions; re-pack to bind them"
+            if metadata["version"] == 2
+            else ""
+        ),
         f"store:    {metadata['store']}",
         f"count:    {metadata['count']}",
         f"classes:  {len(classes)}" + (f" ({names})" if classes else ""),

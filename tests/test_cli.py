@@ -199,7 +199,7 @@ def test_info_describes_a_pack(folder, tmp_path, capsys):
     out = capsys.readouterr().out
     for line in [
         f"path:     {target}",
-        "backend:  lmdb (format version 2)",
+        "backend:  lmdb (format version 3)",
         "store:    raw",
         "count:    13",
         "classes:  3 (Bird, cat, dog)",

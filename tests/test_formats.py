@@ -229,8 +229,8 @@ def _rewrite_metadata(path, fmt, change, reseal: bool = True) -> None:
 
 
 def test_other_format_versions_are_refused(pack_path, fmt):
-    _rewrite_metadata(pack_path, fmt, lambda m: {**m, "version": 3})
-    with pytest.raises(PackError, match="newer fastloader \\(format version 3"):
+    _rewrite_metadata(pack_path, fmt, lambda m: {**m, "version": 4})
+    with pytest.raises(PackError, match="newer fastloader \\(format version 4"):
         open_pack(pack_path)
     _rewrite_metadata(pack_path, fmt, lambda m: {**m, "version": 1})
     with pytest.raises(PackError, match="older fastloader .format version 1.*re-pack it"):
@@ -432,3 +432,18 @@ def test_lmdb_maps_no_more_than_the_file(tmp_path):
     assert handle.env.info()["map_size"] <= path.stat().st_size
     if sys.platform.startswith("linux"):  # values are checked against the mapping itself
         assert handle.start is not None
+
+
+def test_a_record_verifies_only_at_the_position_it_was_bound_to():
+    # NOTE [ Checksums bound to positions ]
+    from fastloader.formats.records import bind_record, checksum_matches
+
+    record = encode_record(np.full((2, 3, 3), 9, dtype=np.uint8), 1, RecordKind.RAW)
+    bound = bind_record(record, 3)
+    assert checksum_matches(bound, 3)
+    assert not checksum_matches(bound, 4) and not checksum_matches(bound, 0)
+    assert decode_record(bound, position=3).label == 1
+    with pytest.raises(PackError, match="checksum mismatch"):
+        decode_record(bound, where="r", position=4)
+    with pytest.raises(ValueError, match="checksum does not match"):
+        bind_record(bytes(bound), 5)  # only an unbound record from encode_record

@@ -366,3 +366,42 @@ def test_lmdb_records_too_large_for_the_span_table_are_walked_on_every_read(tmp_
             assert (pixels.min(), pixels.max(), label) == (index, index, index % 2)
     spans = dataset._handle_here().spans["records"]
     assert not spans._spans.any()  # nothing cached: every read above was a walk
+
+
+def test_lmdb_record_pointed_at_another_records_pages_fails_its_checksum(tmp_path):
+    # NOTE [ Checksums bound to positions ]: record 2's overflow-page number is redirected to
+    # record 4's pages, a whole record with a right checksum and the same label. LMDB returns
+    # record 4's bytes for key 2; the checksum, bound to position 2, refuses them.
+    path = _write(tmp_path / "p.lmdb", "lmdb")
+    data = bytearray(path.read_bytes())
+    nodes = {int.from_bytes(k, "big"): o for o, _, f, k in _leaf_nodes(bytes(data)) if len(k) == 8}
+    pgno = struct.unpack_from("<Q", data, nodes[4] + 16)[0]  # node header 8 + key 8
+    struct.pack_into("<Q", data, nodes[2] + 16, pgno)
+    path.write_bytes(data)
+    dataset = LMDBDataset(path, decode="numpy")
+    with pytest.raises(PackError, match=r"p.lmdb record 2: damaged record \(checksum mismatch"):
+        dataset[2]
+    pixels, label = dataset[4]
+    assert (pixels.min(), pixels.max(), label) == (4, 4, 0)
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5"])
+def test_format_2_packs_are_still_read_and_info_says_their_checksums_are_unbound(
+    tmp_path, monkeypatch, fmt
+):
+    from fastloader.formats import metadata, packfile
+
+    with monkeypatch.context() as patched:  # what fastloader wrote before format 3
+        patched.setattr(metadata, "FORMAT_VERSION", 2)
+        patched.setattr(packfile, "bind_record", lambda record, position: record)
+        path = _write(tmp_path / f"p.{'lmdb' if fmt == 'lmdb' else 'h5'}", fmt)
+    dataset = open_pack(path, decode="numpy")
+    assert dataset.metadata["version"] == 2
+    for index in range(6):
+        pixels, label = dataset[index]
+        assert (pixels.min(), label) == (index, index % 2)
+    info = subprocess.run(
+        [sys.executable, "-m", "fastloader.cli", "--info", str(path)],
+        capture_output=True, text=True, timeout=60, env=_child_env(),
+    )  # fmt: skip
+    assert "format version 2): record checksums not bound to positions" in info.stdout

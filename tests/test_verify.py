@@ -15,6 +15,7 @@ import pytest
 import fastloader
 from fastloader import PackError
 from fastloader.formats import RecordKind, encode_record, open_writer
+from fastloader.formats.records import bind_record
 from fastloader.formats.verify import run_cli
 
 SUFFIX = {"lmdb": ".lmdb", "hdf5": ".h5"}
@@ -30,7 +31,8 @@ def _pack(path, fmt, count=20):
 
 def _flip_payload_byte(path, fmt, index: int) -> None:
     """Flip one pixel byte of record ``index`` in place, keeping the file's structure."""
-    marker = encode_record(np.full((5, 7, 3), index, dtype=np.uint8), index % 2, RecordKind.RAW)
+    record = encode_record(np.full((5, 7, 3), index, dtype=np.uint8), index % 2, RecordKind.RAW)
+    marker = bind_record(record, index)  # as the writer stores it
     data = bytearray(path.read_bytes())
     at = data.find(marker)
     assert at >= 0

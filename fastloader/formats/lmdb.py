@@ -19,6 +19,7 @@ import lmdb
 import numpy as np
 
 from fastloader.formats.lmdb_checks import (
+    LeafDamaged,
     RecordSpans,
     check_lmdb_file,
     mapping_start,
@@ -263,7 +264,12 @@ class LMDBPack(PackFile):
             handle.spans["records"] = spans
         results = []
         for index in indices:
-            span = spans.span(index, _key(index))
+            try:
+                span = spans.span(index, _key(index))
+            except LeafDamaged as damaged:
+                raise PackError(
+                    f"{self.path}: damaged LMDB file (record {index}: {damaged})"
+                ) from None
             if span is False:
                 raise PackError(
                     f"{self.path}: damaged LMDB file (record {index} lies outside the file)"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -114,7 +115,7 @@ def value_lies_in_file(file: bytes | memoryview, psize: int, root: int, key: byt
     found = _find_in_leaf(file, psize, root, key)
     if found is None or found is False:
         return found
-    return _value_span(*found) is not None
+    return _value_span(found.page, found.node) is not None
 
 
 # A RecordSpans entry is one u64: 0 = not seen yet, _OUTSIDE = its node points outside the
@@ -136,8 +137,12 @@ class RecordSpans:
     offset, key, size, overflow page: what ``value_lies_in_file`` checks) and records the
     (offset, size) of each record key found, so later reads of any record of that leaf are an
     array lookup and a slice of fastloader's own read-only map of the file. Record keys are
-    the big-endian u64 indices LMDBWriter writes; a leaf whose keys are not strictly increasing
-    is not cached (its records are walked each time, as LMDB would). 8 bytes per record, in
+    the big-endian u64 indices LMDBWriter writes, 0..n-1 in order, so a leaf's record keys are
+    consecutive: a leaf where they skip or repeat has a damaged key, under which LMDB itself
+    would return another record (whose checksum is right: it covers the record, not its key),
+    and reading any record that lands in it raises. Only keys inside the range the branch keys
+    above give the leaf are cached, and only under branches whose keys increase; other records
+    are walked on each read, as LMDB would. 8 bytes per record, in
     zeroed memory that takes room only as leaves are read.
     """
 
@@ -145,11 +150,16 @@ class RecordSpans:
         self._file, self._psize, self._root = file, psize, root
         self._spans = np.zeros(count, dtype=np.uint64)
         self._parsed: set[int] = set()  # leaf pages already cached
+        self._sorted_branches: dict[int, bool] = {}
+        self._out_of_sequence: set[int] = set()  # leaf pages whose record keys skip or repeat
 
     def span(self, index: int, key: bytes) -> tuple[int, int] | bool | None:
         """(offset, size) of record ``index`` (stored under ``key``) in the file.
 
         Returns False if its node or value points outside the file, None if it is missing.
+
+        Raises:
+            LeafDamaged: if the record keys of its leaf are out of sequence.
         """
         entry = int(self._spans[index])
         if entry == _OUTSIDE:
@@ -159,27 +169,44 @@ class RecordSpans:
         found = _find_in_leaf(self._file, self._psize, self._root, key)
         if found is None or found is False:
             return found
-        page = found[0]
-        if page[1] not in self._parsed:
-            self._parsed.add(page[1])
-            self._cache_leaf(page)
-        span = _value_span(*found)
+        base = found.page[1]
+        if base not in self._parsed:
+            self._parsed.add(base)
+            keys = _keys(found.page)
+            if keys is not None and not _in_sequence(keys):
+                self._out_of_sequence.add(base)
+            elif keys is not None and all(self._sorted(branch) for branch in found.branches):
+                self._cache_leaf(found, keys)
+        if base in self._out_of_sequence:
+            raise LeafDamaged(
+                f"the record keys of its leaf page {base // self._psize} are out of sequence"
+            )
+        span = _value_span(found.page, found.node)
         return False if span is None else span
 
-    def _cache_leaf(self, page: tuple) -> None:
-        count = (page[3] - _HEADER) // 2
-        try:
-            keys = [_key(page, i) for i in range(count)]
-        except ValueError:
-            return
-        if any(a >= b for a, b in zip(keys, keys[1:], strict=False)):
+    def _sorted(self, branch: tuple) -> bool:
+        # Whether a branch page's keys (after node 0's) strictly increase: only then does the
+        # range [low, high) the walk derived hold exactly the keys LMDB's search sends there.
+        if branch[1] not in self._sorted_branches:
+            keys = _keys(branch)
+            ordered = keys is not None and _increasing(keys[1:])
+            self._sorted_branches[branch[1]] = ordered
+        return self._sorted_branches[branch[1]]
+
+    def _cache_leaf(self, found: _Found, keys: list[bytes]) -> None:
+        # Only keys inside the leaf's range are cached: a key outside it (a damaged or crafted
+        # leaf) is one that LMDB's search would never find here. Nothing is overwritten.
+        page, low, high = found.page, found.low, found.high
+        if not _increasing(keys):
             return
         records = len(self._spans)
         for i, key in enumerate(keys):
-            if len(key) != _PGNO.size:
+            if len(key) != _PGNO.size or low is not None and key < low:
+                continue
+            if high is not None and key >= high:
                 continue
             (index,) = _RECORD_KEY.unpack(key)
-            if index >= records:
+            if index >= records or self._spans[index]:
                 continue
             span = _value_span(page, i)
             if span is None:
@@ -188,18 +215,57 @@ class RecordSpans:
                 self._spans[index] = span[1] << _OFFSET_BITS | (span[0] + 1)
 
 
+class LeafDamaged(Exception):
+    """A record's leaf page is damaged in a way that could return another record's bytes."""
+
+
+def _in_sequence(keys: list[bytes]) -> bool:
+    # LMDBWriter appends records under keys 0..n-1 (and the pack's own keys, longer, after
+    # them), so the record keys of any leaf are consecutive. A damaged key breaks that run:
+    # LMDB would then find another record's value under it (its checksum is that record's,
+    # and right), so such a leaf's records are refused (NOTE [ Record spans ]).
+    numbers = [int.from_bytes(key, "big") for key in keys if len(key) == _PGNO.size]
+    return all(b == a + 1 for a, b in zip(numbers, numbers[1:], strict=False))
+
+
+def _increasing(keys: list[bytes]) -> bool:
+    return all(a < b for a, b in zip(keys, keys[1:], strict=False))
+
+
+def _keys(page: tuple) -> list[bytes] | None:
+    """Every node's key of a page, or None if a node lies outside it."""
+    try:
+        return [_key(page, i) for i in range((page[3] - _HEADER) // 2)]
+    except ValueError:
+        return None
+
+
 _RECORD_KEY = struct.Struct(">Q")
+
+
+class _Found(NamedTuple):
+    """Where a walk for a key ended: its leaf page and node, the key range the branches above
+    give that leaf ([low, high); None: unbounded), and the branch pages walked through."""
+
+    page: tuple
+    node: int
+    low: bytes | None
+    high: bytes | None
+    branches: list[tuple]
 
 
 def _find_in_leaf(
     file: bytes | memoryview, psize: int, root: int, key: bytes
-) -> tuple[tuple, int] | bool | None:
-    """Walk to the leaf that holds ``key``: (leaf page, node number), False if the walk leaves
-    the file, None if ``key`` is not in the tree."""
+) -> _Found | bool | None:
+    """Walk to the leaf that holds ``key``: a ``_Found``, False if the walk leaves the file,
+    None if ``key`` is not in the tree."""
     if root == _P_INVALID:  # an empty database
         return None
     pages = len(file) // psize
     pgno = root
+    bound_low: bytes | None = None
+    bound_high: bytes | None = None
+    branches: list[tuple] = []
     for _ in range(_MAX_DEPTH + 1):
         if pgno >= pages:
             return False
@@ -223,6 +289,11 @@ def _find_in_leaf(
                         high = middle - 1
                 _, lo, hi, node_flags, _ = _node(page, chosen)
                 pgno = lo | hi << 16 | node_flags << 32
+                if chosen > 0:  # node 0's key stands for everything below node 1's
+                    bound_low = _key(page, chosen)
+                if chosen + 1 < count:
+                    bound_high = _key(page, chosen + 1)
+                branches.append(page)
                 continue
             if not flags & _P_LEAF:
                 return False
@@ -231,7 +302,7 @@ def _find_in_leaf(
                 middle = (low + high) // 2
                 found = _key(page, middle)
                 if found == key:
-                    return page, middle
+                    return _Found(page, middle, bound_low, bound_high, branches)
                 if found < key:
                     low = middle + 1
                 else:

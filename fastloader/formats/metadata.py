@@ -22,7 +22,13 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from fastloader.formats.records import FORMAT_NAME, FORMAT_VERSION, STORE_MODES, PackError
+from fastloader.formats.records import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    STORE_MODES,
+    UNBOUND_VERSION,
+    PackError,
+)
 
 MAX_METADATA_BYTES = 64 << 20  # a million class names fit many times over
 MAX_DEPTH = 16  # our own metadata nests 3 deep
@@ -126,7 +132,7 @@ def load_metadata(raw: bytes | str | None, path: Path, backend: str) -> dict[str
             f"{path}: written by a newer fastloader (format version {version}; this version "
             f"reads up to {FORMAT_VERSION}): upgrade fastloader"
         )
-    if version < FORMAT_VERSION:
+    if version < UNBOUND_VERSION:
         raise PackError(
             f"{path}: written by an older fastloader (format version {version}, records without "
             f"checksums): re-pack it with this version's fastloader-pack"

@@ -22,8 +22,10 @@ import numpy as np
 from fastloader.formats.metadata import array_checksum, dump_metadata, make_metadata
 from fastloader.formats.records import (
     HEADER_SIZE,
+    UNBOUND_VERSION,
     PackError,
     Record,
+    bind_record,
     checksum_error,
     checksum_matches,
     decode_record,
@@ -107,6 +109,9 @@ class PackFile:
             self.metadata, self.targets = self._load_index(handle)
         finally:
             self._close_handle(handle)
+        # Records are checked as the record at their position, from format 3 on (NOTE
+        # [ Checksums bound to positions ]); format-2 checksums are unbound (seed 0).
+        self._bound = self.metadata["version"] > UNBOUND_VERSION
         self.classes: list[str] = list(self.metadata["classes"])
         self.class_to_idx = {name: index for index, name in enumerate(self.classes)}
         self.store: str = self.metadata["store"]
@@ -224,14 +229,17 @@ class PackFile:
         where = f"{self.path} record {position}"
         try:
             record = decode_record(
-                buffer, where=where, verify=self.verify_checksums and not checked_later
+                buffer,
+                where=where,
+                verify=self.verify_checksums and not checked_later,
+                position=position if self._bound else 0,
             )
             if record.label != self.targets[position]:
                 raise PackError(f"{where}: its label differs from the label index")
         except PackError as error:
             # A damaged record says so, as when its checksum is verified first.
             if checked_later and self.verify_checksums and len(buffer) >= HEADER_SIZE:
-                self._raise_if_damaged(buffer, where, error)
+                self._raise_if_damaged(buffer, position, error)
             raise
         return record
 
@@ -248,15 +256,15 @@ class PackFile:
         try:
             result = use(record)
         except Exception as error:
-            self._raise_if_damaged(buffer, f"{self.path} record {position}", error)
+            self._raise_if_damaged(buffer, position, error)
             raise
-        if not checksum_matches(buffer):
-            self._raise_if_damaged(buffer, f"{self.path} record {position}", None)
+        if not checksum_matches(buffer, position if self._bound else 0):
+            self._raise_if_damaged(buffer, position, None)
         return result
 
-    @staticmethod
-    def _raise_if_damaged(buffer: Any, where: str, cause: BaseException | None) -> None:
-        damaged = checksum_error(buffer, where)
+    def _raise_if_damaged(self, buffer: Any, position: int, cause: BaseException | None) -> None:
+        where = f"{self.path} record {position}"
+        damaged = checksum_error(buffer, where, position if self._bound else 0)
         if damaged is not None:
             raise damaged from cause
 
@@ -331,6 +339,7 @@ class PackWriter:
             self._with_sources = source is not None
         elif self._with_sources != (source is not None):
             raise ValueError("either every record has a source path or none has")
+        record = bind_record(record, self.count)  # NOTE [ Checksums bound to positions ]
         self._put(record)
         self._labels.append(int(label))
         if source is not None:

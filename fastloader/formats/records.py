@@ -9,7 +9,8 @@ A record is a fixed 32-byte header followed by the payload::
     width     u32  columns of a raw record (0 for encoded)
     length    u32  payload length in bytes (detects truncation)
     label     i64  the class index
-    checksum  u64  xxh3_64 of the payload, seeded with the xxh3_64 of the 24 bytes above
+    checksum  u64  xxh3_64 of the payload, seeded with the xxh3_64 of the 24 bytes above,
+                   itself seeded with the record's position in the pack (format 3)
 
 NOTE [ Record checksums ]
 Every byte that decides a sample (the payload, the header that says how to read it, and the
@@ -25,8 +26,19 @@ makes an undetected random corruption practically impossible (2^-64), where a 32
 seeding the payload's), so verifying copies nothing. The metadata, labels, offsets and source
 paths have checksums of their own (see metadata.py).
 
-Format version 2 added the checksum; version-1 packs (no checksums) are refused with a message
-that says to re-pack them (see metadata.load_metadata).
+NOTE [ Checksums bound to positions ]
+A checksum over a record's own bytes cannot tell record 56 from record 5: damage to the
+structure that says where record 56 lies (an LMDB overflow-page number, say) can point it at
+another whole record, whose checksum is right, and the sample would be silently wrong. From
+format version 3 the header's hash is seeded with the record's position, so a record read in
+any other position fails its checksum. It costs nothing (XXH3 takes the seed as an argument).
+Writers bind each record as they append it (``PackWriter.append`` re-seals the record that
+``encode_record`` made, whose checksum is unbound: position 0's seed).
+
+Format version 2 added the checksum, version 3 bound it to positions. Version-2 packs are
+still read, with unbound checksums (``--info`` says so; re-pack for the binding); version-1
+packs (no checksums) are refused with a message that says to re-pack them (see
+metadata.load_metadata).
 """
 
 from __future__ import annotations
@@ -39,7 +51,8 @@ import numpy as np
 import xxhash
 
 FORMAT_NAME = "fastloader-pack"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+UNBOUND_VERSION = 2  # the last format whose record checksums are not bound to positions
 STORE_MODES = ("encoded", "raw", "jpeg")
 
 _HEADER = struct.Struct("<2sBBIIIqQ")
@@ -71,33 +84,51 @@ class Record(NamedTuple):
     payload: memoryview
 
 
-def checksum(header: bytes | memoryview, payload: bytes | memoryview) -> int:
-    """The checksum of a record: see NOTE [ Record checksums ]."""
-    return _hash(payload, _hash(header))
+def checksum(header: bytes | memoryview, payload: bytes | memoryview, position: int = 0) -> int:
+    """The checksum of a record at ``position`` (0: unbound): see NOTE [ Record checksums ]."""
+    return _hash(payload, _hash(header, position))
 
 
-def checksum_matches(buffer: bytes | memoryview) -> bool:
-    """Whether a whole record's bytes (at least ``HEADER_SIZE``) match its stored checksum.
+def checksum_matches(buffer: bytes | memoryview, position: int = 0) -> bool:
+    """Whether a whole record's bytes (at least ``HEADER_SIZE``) match its stored checksum as
+    the record at ``position`` (NOTE [ Checksums bound to positions ]; 0 for format 2).
 
     The fast path of every checked read: hashed in place, no Python frame but this one.
     """
     view = buffer if type(buffer) is memoryview else memoryview(buffer)
-    return _hash(view[HEADER_SIZE:], _hash(view[:_SIGNED])) == _STORED.unpack_from(view, _SIGNED)[0]
+    expected = _STORED.unpack_from(view, _SIGNED)[0]
+    return _hash(view[HEADER_SIZE:], _hash(view[:_SIGNED], position)) == expected
 
 
-def checksum_error(buffer: bytes | memoryview, where: str = "record") -> PackError | None:
+def checksum_error(
+    buffer: bytes | memoryview, where: str = "record", position: int = 0
+) -> PackError | None:
     """The error of a record whose checksum does not match its bytes, else None.
 
-    ``buffer`` is a whole record of at least ``HEADER_SIZE`` bytes; it is hashed in place.
+    ``buffer`` is a whole record of at least ``HEADER_SIZE`` bytes, read as the record at
+    ``position``; it is hashed in place.
     """
     view = memoryview(buffer)
     stored = _STORED.unpack_from(view, _SIGNED)[0]
-    actual = checksum(view[:_SIGNED], view[HEADER_SIZE:])
+    actual = checksum(view[:_SIGNED], view[HEADER_SIZE:], position)
     if actual == stored:
         return None
     return PackError(
         f"{where}: damaged record (checksum mismatch: stored {stored:016x}, computed {actual:016x})"
     )
+
+
+def bind_record(record: bytes, position: int) -> bytes:
+    """``record`` (from ``encode_record``: unbound) re-sealed as the record at ``position``.
+
+    Raises:
+        ValueError: if ``record`` is not a whole record whose unbound checksum matches.
+    """
+    if len(record) < HEADER_SIZE or not checksum_matches(record):
+        raise ValueError("not a whole record from encode_record (its checksum does not match)")
+    view = memoryview(record)
+    sealed = _STORED.pack(checksum(view[:_SIGNED], view[HEADER_SIZE:], position))
+    return bytes(view[:_SIGNED]) + sealed + bytes(view[HEADER_SIZE:])
 
 
 def encode_record(
@@ -141,13 +172,16 @@ def encode_record(
     return signed + struct.pack("<Q", checksum(signed, payload)) + bytes(payload)
 
 
-def decode_record(buffer: bytes | memoryview, where: str = "record", verify: bool = True) -> Record:
+def decode_record(
+    buffer: bytes | memoryview, where: str = "record", verify: bool = True, position: int = 0
+) -> Record:
     """Parse one record without copying its payload, verifying its checksum.
 
     Args:
         buffer: the record's bytes.
         where: how errors name the record (file and index).
         verify: check the checksum (default); False skips only that check.
+        position: the record's position, which its checksum is bound to (0: unbound, format 2).
 
     Raises:
         PackError: naming ``where`` if the record is truncated, damaged (checksum mismatch), or
@@ -158,7 +192,7 @@ def decode_record(buffer: bytes | memoryview, where: str = "record", verify: boo
         raise PackError(f"{where}: truncated record ({len(view)} bytes, header needs 32)")
     magic, kind, channels, height, width, length, label, stored = _HEADER.unpack_from(view)
     if verify:
-        damaged = checksum_error(view, where)
+        damaged = checksum_error(view, where, position)
         if damaged is not None:
             raise damaged
     if magic != _MAGIC or kind not in (RecordKind.ENCODED, RecordKind.RAW):
