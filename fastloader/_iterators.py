@@ -394,7 +394,6 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
         self._forks = context.get_start_method() == "fork"
         if self._supervised:
             self._progress = context.RawArray("q", [NOT_STARTED] * loader.num_workers)
-            self._starting = dict.fromkeys(range(loader.num_workers), time.monotonic())
         self._process_factory = loader.multiprocessing_context or torch.multiprocessing
         self._ledger = DeathLedger()
         self._sent_tasks: dict[int, Task] = {}
@@ -414,6 +413,8 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
         started = time.perf_counter()
         super().__init__(loader)
         self.startup_s = time.perf_counter() - started
+        if self._supervised:  # from when every worker has been started (not before forking)
+            self._starting = dict.fromkeys(range(loader.num_workers), time.monotonic())
         if self._supervised and self._worker_pids_set:
             # torch's SIGCHLD handler would raise inside whatever the main thread runs when a
             # worker dies; supervision finds dead workers itself (NOTE [ Supervised workers ]).
@@ -673,6 +674,8 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
                 if not self._forks:
                     warn_never_started(slot, worker.pid, replaced=False)
                     continue
+                if self._progress[slot] != NOT_STARTED:  # it started just now after all
+                    continue
                 worker.kill()
                 worker.join(timeout=5.0)
                 self._heal([slot], never_started=True)
@@ -696,7 +699,8 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
                     "starts fresh workers."
                 )
                 raise WorkersLostError(self._broken)
-            release_orphaned_write_lock(self._worker_result_queue)
+            if not never_started:  # one that never ran cannot hold the lock: a live one does
+                release_orphaned_write_lock(self._worker_result_queue)
             try:
                 self._start_worker(slot)
             except Exception as error:
@@ -733,7 +737,6 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
         index_queue.cancel_join_thread()
         self._worker_init_fn.forked_from_main_thread = _in_main_thread()
         self._progress[slot] = NOT_STARTED
-        self._starting[slot] = time.monotonic()
         worker = self._process_factory.Process(
             target=_utils.worker._worker_loop,
             args=(
@@ -755,6 +758,7 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
         )
         worker.daemon = True
         worker.start()
+        self._starting[slot] = time.monotonic()
         old_queue = self._index_queues[slot]
         old_queue.cancel_join_thread()
         old_queue.close()
@@ -777,7 +781,13 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
                 self._sent_tasks.get(current) if current in numbers else None,
             )
         busy = [(slot, holdings[slot][0]) for slot, held in holdings.items() if held[1]]
-        return stall_message(self._timeout, holdings, dump_stacks(self._stack_folder, busy))
+        not_started = {
+            slot
+            for slot in holdings
+            if self._progress is not None and self._progress[slot] == NOT_STARTED
+        }
+        stacks = dump_stacks(self._stack_folder, busy)
+        return stall_message(self._timeout, holdings, stacks, not_started)
 
 
 _new_tuple = tuple.__new__

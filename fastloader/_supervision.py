@@ -47,11 +47,12 @@ STARTUP_TIMEOUT_S = 60.0  # a worker that has not started by then: see NOTE [ Wo
 # threads, a Lightning or user thread) can inherit a lock that one of those threads held at the
 # fork, and deadlock in the child before it runs any Python: alive, never loading anything, so
 # neither death detection nor anything else would end the wait. Each worker therefore marks its
-# progress slot as soon as its first Python code runs (WorkerInit); a slot still unmarked
-# STARTUP_TIMEOUT_S after the worker was started means it never started. A forked worker
-# cannot be slow to start (it imports and unpickles nothing), so it is killed and replaced like
-# a dead one (the deadlock is a race: the replacement starts); a spawned or forkserver worker
-# can be (imports, a large dataset to unpickle), so it is only reported, once.
+# progress slot as soon as fastloader's start-up code runs (WorkerInit, right after torch's worker
+# prelude); a slot still unmarked STARTUP_TIMEOUT_S after its process was started means it never
+# started (with a `timeout` shorter than that, the timeout's error names such a worker). A
+# forked worker cannot be slow to start (it imports and unpickles nothing), so it is killed and
+# replaced like a dead one (the deadlock is a race: the replacement starts); a spawned or
+# forkserver worker can be (imports, a large dataset to unpickle), so it is only reported, once.
 
 
 class PoisonSampleError(RuntimeError):
@@ -97,9 +98,9 @@ def warn_never_started(slot: int, pid: int | None, replaced: bool) -> None:
     """Warn once about a worker that did not start (NOTE [ Worker start-up ])."""
     if replaced:
         what = (
-            "was stuck before running any Python code (a forked process can deadlock on a lock "
-            "another thread held at the fork); it was killed and replaced, and its batches "
-            "re-sent. multiprocessing_context='forkserver' avoids such forks."
+            "never reached its start-up code (a forked process can deadlock on a lock another "
+            "thread held at the fork); it was killed and replaced, and its batches re-sent. "
+            "multiprocessing_context='forkserver' avoids such forks."
         )
     else:
         what = (
@@ -169,7 +170,10 @@ class DeathLedger:
 
 
 def stall_message(
-    timeout: float, holdings: dict[int, tuple[int | None, list[Any], Any]], stacks: dict[int, str]
+    timeout: float,
+    holdings: dict[int, tuple[int | None, list[Any], Any]],
+    stacks: dict[int, str],
+    not_started: set[int] | frozenset[int] = frozenset(),
 ) -> str:
     """The error for ``timeout``: which worker holds which indices, and its Python stack.
 
@@ -177,6 +181,7 @@ def stall_message(
         timeout: the DataLoader's timeout in seconds.
         holdings: slot -> (pid, unfinished tasks, the task it is loading or None).
         stacks: slot -> the text faulthandler dumped for that worker ("" if none).
+        not_started: slots whose worker has not reached its start-up code yet.
     """
     lines = [f"DataLoader timed out after {timeout:g} seconds"]
     for slot, (pid, tasks, current) in sorted(holdings.items()):
@@ -184,6 +189,11 @@ def stall_message(
             continue
         held = ", ".join(_describe_task(t) for t in tasks)
         lines.append(f"worker {slot} (pid {pid}) holds {held}")
+        if slot in not_started:
+            lines.append(
+                "  it has not started: it never reached fastloader's start-up code (see "
+                "NOTE [ Worker start-up ]: a forked worker can deadlock before it)"
+            )
         if current is not None:
             lines.append(f"  it is loading {_describe_task(current)}")
         stack = stacks.get(slot, "").strip()

@@ -335,6 +335,18 @@ def never_started():
     print(json.dumps(report), flush=True)
 
 
+def never_started_timeout():
+    """timeout (2 s) fires before the start-up check (60 s): its error names the worker."""
+    loader = _loader(multiprocessing_context=_HangOnceContext(), timeout=2)
+    try:
+        _epochs(loader)
+        message = ""
+    except RuntimeError as error:
+        message = str(error)
+    loader.close()
+    print(json.dumps({"message": message}), flush=True)
+
+
 def _alive(pid):
     try:
         with open(f"/proc/{pid}/stat") as stat:

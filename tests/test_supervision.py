@@ -177,3 +177,13 @@ def test_a_forked_worker_that_never_starts_is_replaced_and_the_epochs_are_unchan
     assert "did not start within 1 s" in report["warned"][0]
     assert "killed and replaced" in report["warned"][0]
     assert report["seconds"] < 60
+
+
+def test_a_timeout_before_the_start_up_check_names_the_worker_that_never_started(tmp_path):
+    os.environ["FASTLOADER_TEST_HANG_ONCE"] = str(tmp_path / "hung-once")
+    try:
+        message = _run("never_started_timeout")["message"]
+    finally:
+        del os.environ["FASTLOADER_TEST_HANG_ONCE"]
+    assert "DataLoader timed out after 2 seconds" in message
+    assert "it has not started: it never reached fastloader's start-up code" in message
