@@ -162,20 +162,9 @@ def interrupted():
 def poison():
     """A sample that kills its worker every time: an error naming epoch and indices."""
     loader = DataLoader(KillsItsWorker(), batch_size=2, num_workers=2)
-    epochs = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for _ in range(2):
-            results = []
-            iterator = iter(loader)
-            while True:
-                try:
-                    results.append(next(iterator).tolist())
-                except StopIteration:
-                    break
-                except RuntimeError as error:
-                    results.append(f"{type(error).__name__}: {error}")
-            epochs.append(results)
+        epochs = [_results(loader) for _ in range(2)]
     loader.close()
     print(json.dumps({"epochs": epochs}), flush=True)
 

@@ -3,12 +3,14 @@
 Every scenario runs in its own process (tests/_supervision_scenarios.py), bounded in time.
 """
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -23,6 +25,24 @@ def _run(name: str, timeout: float = 120) -> dict:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@contextlib.contextmanager
+def _in_own_session(name: str, stderr: int) -> Iterator[subprocess.Popen]:
+    """A scenario in its own session (signals go to its group); its group killed if still up."""
+    child = subprocess.Popen(
+        [sys.executable, SCENARIOS, name],
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        yield child
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
 
 
 def _alive(pid: int) -> bool:
@@ -45,21 +65,10 @@ def test_killed_workers_are_replaced_and_every_epoch_equals_a_clean_run():
 
 
 def test_ctrl_c_to_the_process_group_raises_in_the_loop_and_next_epoch_has_fresh_workers():
-    child = subprocess.Popen(
-        [sys.executable, SCENARIOS, "interrupted"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
+    with _in_own_session("interrupted", stderr=subprocess.PIPE) as child:
         assert child.stdout.readline().strip() == "READY"
         os.killpg(child.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
         out, err = child.communicate(timeout=120)
-    finally:
-        if child.poll() is None:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
     assert child.returncode == 0, err[-3000:]
     report = json.loads(out.strip().splitlines()[-1])
     assert report == {"equal": True, "interrupts": 1, "fresh_workers": True, "workers": 2}
@@ -131,14 +140,7 @@ def test_after_workers_are_lost_every_remaining_batch_of_the_epoch_raises():
 
 
 def test_workers_exit_soon_after_the_main_process_is_killed_inside_a_long_getitem():
-    child = subprocess.Popen(
-        [sys.executable, SCENARIOS, "orphan"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-    )
-    try:
+    with _in_own_session("orphan", stderr=subprocess.DEVNULL) as child:
         pids = json.loads(child.stdout.readline())["pids"]
         assert len(pids) == 2 and all(_alive(p) for p in pids)
         child.kill()
@@ -147,10 +149,6 @@ def test_workers_exit_soon_after_the_main_process_is_killed_inside_a_long_getite
         while time.monotonic() < deadline and any(_alive(p) for p in pids):
             time.sleep(0.05)
         assert not any(_alive(p) for p in pids), "workers outlived the main process"
-    finally:
-        if child.poll() is None:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
 
 
 def test_timeout_names_the_stuck_worker_its_indices_and_shows_its_stack():
