@@ -23,6 +23,7 @@ from fastloader.formats.lmdb_checks import (
     RecordSpans,
     check_lmdb_file,
     mapping_start,
+    record_key,
     value_lies_in_file,
 )
 from fastloader.formats.metadata import check_array, check_targets, load_metadata
@@ -33,13 +34,8 @@ _METADATA_KEY = b"__metadata__"
 _TARGETS_KEY = b"__targets__"
 _SOURCES_KEY = b"__sources__"
 _SOURCE_OFFSETS_KEY = b"__source_offsets__"
-_KEY = struct.Struct(">Q")
 _MAP_SIZE = 1 << 40  # address space only: the file grows as pages are written
 _COMMIT_BYTES = 64 << 20
-
-
-def _key(index: int) -> bytes:
-    return _KEY.pack(index)
 
 
 class _Env(NamedTuple):
@@ -265,7 +261,7 @@ class LMDBPack(PackFile):
         results = []
         for index in indices:
             try:
-                span = spans.span(index, _key(index))
+                span = spans.span(index)
             except LeafDamaged as damaged:
                 raise PackError(
                     f"{self.path}: damaged LMDB file (record {index}: {damaged})"
@@ -295,7 +291,7 @@ class LMDBWriter(PackWriter):
         self._pending = 0
 
     def _put(self, record: bytes) -> None:
-        self._txn.put(_key(self.count), record, append=True)
+        self._txn.put(record_key(self.count), record, append=True)
         self._pending += len(record)
         if self._pending >= _COMMIT_BYTES:
             self._txn.commit()

@@ -153,8 +153,8 @@ class RecordSpans:
         self._sorted_branches: dict[int, bool] = {}
         self._out_of_sequence: set[int] = set()  # leaf pages whose record keys skip or repeat
 
-    def span(self, index: int, key: bytes) -> tuple[int, int] | bool | None:
-        """(offset, size) of record ``index`` (stored under ``key``) in the file.
+    def span(self, index: int) -> tuple[int, int] | bool | None:
+        """(offset, size) of record ``index`` (stored under ``record_key(index)``) in the file.
 
         Returns False if its node or value points outside the file, None if it is missing.
 
@@ -166,7 +166,7 @@ class RecordSpans:
             return False
         if entry:
             return (entry & _OFFSET_MASK) - 1, entry >> _OFFSET_BITS
-        found = _find_in_leaf(self._file, self._psize, self._root, key)
+        found = _find_in_leaf(self._file, self._psize, self._root, record_key(index))
         if found is None or found is False:
             return found
         base = found.page[1]
@@ -241,6 +241,11 @@ def _keys(page: tuple) -> list[bytes] | None:
 
 
 _RECORD_KEY = struct.Struct(">Q")
+
+
+def record_key(index: int) -> bytes:
+    """The LMDB key of record ``index``: big-endian u64, so keys sort as the indices do."""
+    return _RECORD_KEY.pack(index)
 
 
 class _Found(NamedTuple):
