@@ -187,7 +187,7 @@ class FusedTransform:
             plain = {
                 "pil": lambda: Image.fromarray(pixels if pixels.shape[2] != 1 else pixels[..., 0]),
                 "numpy": lambda: pixels.copy(),
-                "tensor": lambda: torch.from_numpy(pixels.transpose(2, 0, 1).copy()),
+                "tensor": lambda: torch.from_numpy(channels_first(pixels)),
             }[mode]
             return self.transform(plain())
         return self._finish(_apply_geometry(pixels, geometry), mode)
@@ -195,7 +195,7 @@ class FusedTransform:
     def _finish(self, pixels: np.ndarray, mode: str) -> Any:
         """Hand the HWC result on as the unfused steps would, then apply the rest."""
         if self.to_tensor or mode == "tensor":
-            image: Any = torch.from_numpy(_channels_first(pixels))
+            image: Any = torch.from_numpy(channels_first(pixels))
         elif mode == "pil":
             image = Image.fromarray(pixels if pixels.shape[2] != 1 else pixels[..., 0])
         else:
@@ -402,8 +402,8 @@ def _pillow_geometry(
     return pixels if pixels.ndim == 3 else pixels[..., None]
 
 
-def _channels_first(pixels: np.ndarray) -> np.ndarray:
-    """HWC pixels as a contiguous CHW array.
+def channels_first(pixels: np.ndarray) -> np.ndarray:
+    """HWC pixels as a contiguous CHW array of their own (never a view of ``pixels``).
 
     NOTE [ Channels-first once ]
     ``PILToTensor`` returns a CHW *view* of HWC pixels (as torchvision's), and collating such
@@ -413,7 +413,7 @@ def _channels_first(pixels: np.ndarray) -> np.ndarray:
     """
     height, width, channels = pixels.shape
     if BACKEND == "pillow":
-        return np.ascontiguousarray(pixels.transpose(2, 0, 1))
+        return pixels.transpose(2, 0, 1).copy()
     planes = np.empty((channels, height, width), dtype=np.uint8)
     cv2.split(pixels, list(planes))
     return planes

@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from fastloader.decoding import fuse
+from fastloader.decoding import channels_first, fuse
 from fastloader.formats.images import to_rgb
 from fastloader.formats.packfile import PackFile, PackWriter, check_file, file_identity
 from fastloader.formats.records import PackError, Record, RecordKind
@@ -161,8 +161,9 @@ def decode_image(record: Record, mode: str, where: str = "record") -> Any:
 
 
 def _chw_tensor(pixels: np.ndarray) -> torch.Tensor:
-    # One copy, from the (read-only) HWC pixels straight into a writable CHW array.
-    return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
+    # One copy, from the (maybe read-only) HWC pixels into a writable CHW array that owns its
+    # memory (NOTE [ Channels-first once ] in decoding.py: OpenCV's split, not a transpose).
+    return torch.from_numpy(channels_first(pixels))
 
 
 @contextmanager
