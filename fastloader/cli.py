@@ -170,6 +170,7 @@ def describe(path: str) -> str:
         FileNotFoundError: if it does not exist.
     """
     from fastloader.formats import read_metadata
+    from fastloader.formats.records import UNBOUND_VERSION
 
     metadata = read_metadata(path)
     classes = metadata["classes"]
@@ -180,7 +181,7 @@ def describe(path: str) -> str:
         f"backend:  {metadata['backend']} (format version {metadata['version']})"
         + (
             ": record checksums not bound to positions; re-pack to bind them"
-            if metadata["version"] == 2
+            if metadata["version"] <= UNBOUND_VERSION
             else ""
         ),
         f"store:    {metadata['store']}",
@@ -272,14 +273,8 @@ def _run_info(path: str, prog: str) -> int:
 
 def _run_verify(path: str, quiet: bool, prog: str) -> int:
     """Run ``fastloader.formats.verify.run_cli``: 0 clean, 1 bad records, 2 unreadable."""
-    try:
-        from fastloader.formats.verify import run_cli
-    except ImportError as error:
-        print(
-            f"{prog}: error: verifying packs needs fastloader.formats.verify ({error})",
-            file=sys.stderr,
-        )
-        return 2
+    from fastloader.formats.verify import run_cli
+
     try:
         return run_cli(path, quiet=quiet, prog=prog)
     except KeyboardInterrupt:

@@ -12,14 +12,12 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from fastloader.decoding import fuse
-from fastloader.formats.images import to_rgb
+from fastloader.formats.images import IMG_EXTENSIONS, class_folder_files, to_rgb
 
 __all__ = ["IMG_EXTENSIONS", "ImageFolder"]
 
+
 #: The file suffixes torchvision's ImageFolder loads (compared case-insensitively).
-IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-
-
 class ImageFolder(Dataset):
     """Images in ``root/<class>/**/<file>``, labelled by class folder, as torchvision's ImageFolder.
 
@@ -162,14 +160,10 @@ def _scan(
         folder = os.path.join(root, name)
         if not os.path.isdir(folder):
             continue
-        before = len(paths)
-        for directory, _, files in sorted(os.walk(folder, followlinks=True)):
-            for file in sorted(files):
-                path = os.path.join(directory, file)
-                if is_valid_file(path):
-                    paths.append(path)
-                    targets.append(class_to_idx[name])
-        if len(paths) == before:
+        files = class_folder_files(folder, is_valid_file)
+        paths += files
+        targets += [class_to_idx[name]] * len(files)
+        if not files:
             empty.append(name)
     if empty and not allow_empty:
         raise FileNotFoundError(

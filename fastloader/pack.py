@@ -48,12 +48,12 @@ from fastloader.formats import (
     format_from_suffix,
     open_writer,
 )
+from fastloader.formats.images import IMG_EXTENSIONS, class_folder_files
 from fastloader.formats.metadata import human_size
 
 __all__ = ["IMG_EXTENSIONS", "BadImageError", "PackSummary", "pack", "scan_image_folder"]
 
 #: The file suffixes torchvision's ImageFolder accepts (matched case-insensitively).
-IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 FORMATS = ("lmdb", "hdf5")
 _CHUNK = 16  # samples per worker task: IPC stays cheap, memory in flight stays small
 
@@ -111,6 +111,10 @@ class PackSummary:
         return "\n".join(lines)
 
 
+def _is_image(path: str) -> bool:
+    return path.lower().endswith(IMG_EXTENSIONS)
+
+
 def scan_image_folder(root: str | os.PathLike) -> tuple[list[tuple[str, int]], list[str]]:
     """List the images of a folder in torchvision ``ImageFolder`` layout, in its order.
 
@@ -141,12 +145,9 @@ def scan_image_folder(root: str | os.PathLike) -> tuple[list[tuple[str, int]], l
     samples: list[tuple[str, int]] = []
     empty = []
     for label, name in enumerate(classes):
-        before = len(samples)
-        for folder, _, names in sorted(os.walk(os.path.join(root, name), followlinks=True)):
-            for file_name in sorted(names):
-                if file_name.lower().endswith(IMG_EXTENSIONS):
-                    samples.append((os.path.join(folder, file_name), label))
-        if len(samples) == before:
+        files = class_folder_files(os.path.join(root, name), _is_image)
+        samples += [(path, label) for path in files]
+        if not files:
             empty.append(name)
     if empty:
         raise FileNotFoundError(

@@ -476,7 +476,9 @@ class RandomHorizontalFlip:
 
     def draw(self) -> bool:
         """Whether to flip this image: one draw from torch's default generator."""
-        return bool(torch.rand(1) < self.p)
+        # torchvision's `torch.rand(1) < p` compares in float32; as Python floats, p rounded to
+        # float32 gives the same answer for every draw, without building a comparison tensor.
+        return torch.rand(1).item() < float(np.float32(self.p))
 
     def __call__(self, image: Any) -> Any:
         return hflip(image) if self.draw() else image

@@ -174,7 +174,7 @@ class HDF5Pack(PackFile):
         return handle.maps["sources"][start:end].tobytes()
 
     def _read_each(self, handle: _Handle, indices: Sequence[int], use: Callable) -> list:
-        records = handle.maps["records"]
+        records = memoryview(handle.maps["records"])  # slices: plain views, no memmap objects
         offsets = self._offsets
         return [use(index, records[offsets[index] : offsets[index + 1]]) for index in indices]
 

@@ -4,14 +4,30 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import simplejpeg
 from PIL import Image, ImageFile
 
 _SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+
+#: The file name endings of images in an image folder (torchvision's ``IMG_EXTENSIONS``).
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def class_folder_files(folder: str, is_valid_file: Callable[[str], bool]) -> list[str]:
+    """The valid files of one class folder in torchvision's ``ImageFolder`` order: walked
+    recursively, following symlinks, in ``sorted(os.walk(...))`` order, names sorted within a
+    folder."""
+    return [
+        path
+        for directory, _, files in sorted(os.walk(folder, followlinks=True))
+        for path in (os.path.join(directory, file) for file in sorted(files))
+        if is_valid_file(path)
+    ]
 
 
 @contextlib.contextmanager

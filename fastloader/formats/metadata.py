@@ -211,7 +211,7 @@ def check_targets(targets: np.ndarray, metadata: dict[str, Any], path: Path) -> 
     classes = len(metadata["classes"])
     if len(targets) and (targets.min() < 0 or targets.max() >= classes):
         raise PackError(f"{path}: corrupt pack (a label is outside the {classes} classes)")
-    return targets.astype(np.int64)
+    return targets.astype(np.int64, copy=False)
 
 
 def human_size(size: float) -> str:

@@ -75,6 +75,9 @@ class RecordKind(IntEnum):
     RAW = 1
 
 
+_KINDS = tuple(RecordKind)  # by value: an index is cheaper than RecordKind(value) per read
+
+
 class Record(NamedTuple):
     """One decoded record header and a view of its payload (valid while the buffer lives)."""
 
@@ -204,4 +207,4 @@ def decode_record(
     shape = (height, width, channels) if kind == RecordKind.RAW else None
     if shape is not None and (height * width * channels != length or channels not in (1, 3, 4)):
         raise PackError(f"{where}: corrupt record (shape {shape} does not match {length} bytes)")
-    return Record(label, RecordKind(kind), shape, view[HEADER_SIZE:])
+    return Record(label, _KINDS[kind], shape, view[HEADER_SIZE:])

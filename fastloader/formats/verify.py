@@ -118,9 +118,9 @@ def _check_chunk(dataset, positions: range) -> list[tuple[int, str]]:
 def _reason(error: PackError, path: Path) -> str:
     """The message without the file name and record index the report already gives."""
     text = " ".join(str(error).split())
-    for prefix in (f"{path} record ", f"{path}: record "):
-        if text.startswith(prefix):
-            return text[len(prefix) :].split(": ", 1)[-1]
+    prefix = f"{path} record "
+    if text.startswith(prefix):
+        return text[len(prefix) :].split(": ", 1)[-1]
     return text.removeprefix(f"{path}: ")
 
 
