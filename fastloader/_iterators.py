@@ -103,16 +103,6 @@ from fastloader.seeding import RNGStateSwap, SeededDataset, SeededIterableDatase
 _END = object()
 
 
-def set_sampler_epoch(loader: Any, epoch: int) -> None:
-    """Call ``set_epoch(epoch)`` on the loader's sampler and batch sampler that have it.
-
-    The calls are the loader's own: they are not taken as a user's request (see NOTE [ A
-    user's set_epoch wins ] in ``samplers.py``).
-    """
-    for sampler in samplers_with_set_epoch(loader):
-        set_epoch_unrecorded(sampler, epoch)
-
-
 def order_is_predictable(loader: Any) -> bool:
     """Whether the index order of a future epoch can be drawn now without changing it."""
     if loader._dataset_kind != _DatasetKind.Map or not loader.in_order:
@@ -205,15 +195,16 @@ class _EpochSchedule:
         while self._next is not _END:
             self._advance()
 
-    def next_task(self) -> Task:
-        """The next task to send. Raises StopIteration when nothing may be sent now."""
+    def next_task(self, number: int = -1) -> Task:
+        """The next task to send (as torch's task ``number``). Raises StopIteration when nothing
+        may be sent now."""
         if self._next is _END:
             if not self.may_cross or self.epoch < 0:
                 raise StopIteration
             self._open(self.epoch + 1)
             if self._next is _END:
                 raise StopIteration
-        return Task(self.epoch, self._advance())
+        return Task(self.epoch, self._advance(), number)
 
 
 def _schedule_for(loader: Any, may_cross: bool) -> _EpochSchedule:
@@ -415,11 +406,6 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
         self.startup_s = time.perf_counter() - started
         if self._supervised:  # from when every worker has been started (not before forking)
             self._starting = dict.fromkeys(range(loader.num_workers), time.monotonic())
-        if self._supervised and self._worker_pids_set:
-            # torch's SIGCHLD handler would raise inside whatever the main thread runs when a
-            # worker dies; supervision finds dead workers itself (NOTE [ Supervised workers ]).
-            _utils.signal_handling._remove_worker_pids(id(self))
-            self._worker_pids_set = False
         self._bind(loader)
 
     @property
@@ -457,6 +443,9 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
             self._fill()
         elif self._tasks_outstanding == 0 and not self._task_info:
             self._schedule.start(epoch, skip)
+            # nothing in flight; after in_order=False, fastloader's own end of epoch may have
+            # left torch's _rcvd_idx behind (torch catches it up only in its own walk)
+            self._rcvd_idx = self._send_idx
             self._fill()
         else:  # stale batches in flight: drain them with torch's reset, then restart
             self._schedule.start(epoch, skip)
@@ -478,12 +467,11 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
     def _fill(self) -> None:
         # Tasks sent but not yet returned, including results that arrived out of order: torch
         # sends a new task only when one is returned, so this stays within its limit.
-        # With in_order=False results are handed out as they arrive and _rcvd_idx lags
-        # behind, so there the count is the tasks outstanding.
+        # (in_order=False hands results out as they arrive, so _rcvd_idx can lag behind; it
+        # never continues into the next epoch, and begin_epoch catches _rcvd_idx up when
+        # nothing is in flight.)
         limit = self._prefetch_factor * self._num_workers
-        while (
-            self._send_idx - self._rcvd_idx if self._in_order else self._tasks_outstanding
-        ) < limit:
+        while self._send_idx - self._rcvd_idx < limit:
             sent = self._send_idx
             self._try_put_index()
             if self._send_idx == sent:
@@ -494,17 +482,16 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
     def _next_index(self) -> Any:
         if self._schedule is None:
             return super()._next_index()
-        task = self._schedule.next_task()
         number = self._send_idx  # torch sends this task under this number
-        task = _new_tuple(Task, (task[0], task[1], number))  # Task(epoch, indices, number)
+        task = self._schedule.next_task(number)
         self._sent_tasks[number] = task
         return task
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         if first_iter and self._supervised and self._worker_pids_set:
             # torch registered the new workers with its SIGCHLD handler just before this first
-            # reset; a worker dying while it runs would raise inside it. Unregister them now
-            # (see __init__).
+            # reset; that handler would raise inside whatever the main thread runs when a worker
+            # dies, and supervision finds dead workers itself (NOTE [ Supervised workers ]).
             _utils.signal_handling._remove_worker_pids(id(self))
             self._worker_pids_set = False
         self._sent_tasks.clear()
@@ -561,15 +548,15 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
 
     def _get_data(self) -> Any:
         while True:
-            if self._settled:  # a poison verdict is the result of its task
-                idx, data = self._settled.pop(0)
-            elif self._timeout > 0 or self._pin_memory or self._broken is not None:
-                idx, data = self._receive()
-            else:  # the common case of _receive, without its checks
-                success, item = self._try_get_data()
+            if self._broken is not None:
+                raise WorkersLostError(self._broken)
+            if self._timeout > 0:
+                success, item = self._try_get_data(self._timeout)
                 if not success:
-                    continue
-                idx, data = item
+                    raise RuntimeError(self._stall_report())
+            else:  # torch's wait (pin-memory thread check included)
+                item = super()._get_data()
+            idx, data = item
             if type(idx) is int:
                 info = self._task_info.get(idx)
                 if info is None or len(info) != 1:
@@ -583,28 +570,11 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
                 continue  # an extra acknowledgement from a worker replaced during a reset
             return idx, data
 
-    def _receive(self) -> Any:
-        if self._broken is not None:
-            raise WorkersLostError(self._broken)
-        if self._timeout > 0:
-            success, data = self._try_get_data(self._timeout)
-            if success:
-                return data
-            if self._settled:
-                return self._settled.pop(0)
-            raise RuntimeError(self._stall_report())
-        while True:
-            if self._pin_memory and not self._pin_memory_thread.is_alive():
-                raise RuntimeError("Pin memory thread exited unexpectedly")
-            success, data = self._try_get_data()
-            if success:
-                return data
-            if self._settled:
-                return self._settled.pop(0)
-
     def _try_get_data(self, timeout: float = _utils.MP_STATUS_CHECK_INTERVAL) -> Any:
         if not self._supervised:
             return super()._try_get_data(timeout)
+        if self._settled:  # a poison verdict is the result of its task
+            return True, self._settled.pop(0)
         deadline = None
         wait = POLL_S if timeout > POLL_S else timeout
         while True:
@@ -616,7 +586,7 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
                     raise
                 self._heal(dead)
                 if self._settled:
-                    return False, None
+                    return True, self._settled.pop(0)
                 success, data = False, None
             except (OSError, EOFError):
                 # A result whose tensors lived in a worker that has died cannot be rebuilt.
@@ -625,7 +595,7 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
                 if dead:
                     self._heal(dead)
                     if self._settled:
-                        return False, None
+                        return True, self._settled.pop(0)
                 elif not self._replaced:
                     raise
                 success, data = False, None
@@ -634,7 +604,7 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
             if self._starting:
                 self._check_starts()
                 if self._settled:
-                    return False, None
+                    return True, self._settled.pop(0)
             now = time.monotonic()
             if deadline is None:
                 deadline = now + timeout - wait
@@ -788,9 +758,6 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
         }
         stacks = dump_stacks(self._stack_folder, busy)
         return stall_message(self._timeout, holdings, stacks, not_started)
-
-
-_new_tuple = tuple.__new__
 
 
 def _in_main_thread() -> bool:

@@ -78,10 +78,9 @@ class ElasticDistributedSampler(DistributedSampler):
             num_replicas=num_replicas,
             rank=rank,
             shuffle=shuffle,
-            seed=seed & (2**63 - 1),
+            seed=seed,
             drop_last=drop_last,
         )
-        self.seed = seed
         self.batch_size = batch_size
         self.dataset_length = len(dataset)
         self.num_samples = self.rank_length(0, self.rank)
