@@ -170,7 +170,8 @@ def _length(sized: Any) -> int | None:
 
 
 def build_state(loader: Any) -> dict[str, Any]:
-    """The loader's state: JSON-able, O(1) in the dataset size."""
+    """The loader's state: JSON-able, its size O(1) in the dataset size (building it is O(1)
+    too, except for a list or tuple of indices as the sampler, which is hashed: O(its length))."""
     description = describe_order(loader)
     started, complete = loader._epoch_started, loader._epoch_complete
     position = 0

@@ -49,6 +49,7 @@ import torch
 from PIL import Image
 from torch.utils.data import get_worker_info
 
+from fastloader.formats.images import JPEG_END, is_jpeg
 from fastloader.transforms import (
     CenterCrop,
     Compose,
@@ -70,7 +71,6 @@ __all__ = ["BACKEND", "FusedTransform", "Geometry", "fuse", "jpeg_size"]
 #: "simplejpeg" (simplejpeg + OpenCV) when both are installed, else "pillow".
 BACKEND = "simplejpeg" if simplejpeg is not None else "pillow"
 
-_JPEG_MAGIC = b"\xff\xd8\xff"
 _GEOMETRIC = (Resize, CenterCrop, RandomResizedCrop, RandomHorizontalFlip)
 
 
@@ -88,7 +88,7 @@ class Geometry(NamedTuple):
 
 def jpeg_size(data: Any) -> tuple[int, int] | None:
     """``(height, width)`` of a JPEG that can be decoded to RGB fused, else None."""
-    if bytes(data[:3]) != _JPEG_MAGIC:
+    if not is_jpeg(bytes(data[:3])):
         return None
     try:
         if BACKEND == "simplejpeg":
@@ -185,7 +185,7 @@ class FusedTransform:
         geometry = self.draw(pixels.shape[0], pixels.shape[1])
         if geometry is None:
             plain = {
-                "pil": lambda: Image.fromarray(pixels if pixels.shape[2] != 1 else pixels[..., 0]),
+                "pil": lambda: to_pil(pixels),
                 "numpy": lambda: pixels.copy(),
                 "tensor": lambda: torch.from_numpy(channels_first(pixels)),
             }[mode]
@@ -197,7 +197,7 @@ class FusedTransform:
         if self.to_tensor or mode == "tensor":
             image: Any = torch.from_numpy(channels_first(pixels))
         elif mode == "pil":
-            image = Image.fromarray(pixels if pixels.shape[2] != 1 else pixels[..., 0])
+            image = to_pil(pixels)
         else:
             image = pixels
         for transform in self.rest:
@@ -282,7 +282,7 @@ _region_decoders: dict[int, Any] = {}  # per process; a forked child never touch
 def _decode_region(data: Any, geometry: Geometry, height: int, width: int) -> np.ndarray | None:
     """The geometry applied to only the box's pixels, decoded by nvImageCodec; None if not."""
     decoder = _region_decoder() if REGION_DECODING else None
-    if decoder is None or bytes(data[-2:]) != b"\xff\xd9":
+    if decoder is None or bytes(data[-2:]) != JPEG_END:
         return None
     codec, decode, params = decoder
     top, left = max(math.floor(geometry.top), 0), max(math.floor(geometry.left), 0)
@@ -400,6 +400,11 @@ def _pillow_geometry(
         image = image.transpose(Image.FLIP_LEFT_RIGHT)
     pixels = np.array(image)
     return pixels if pixels.ndim == 3 else pixels[..., None]
+
+
+def to_pil(pixels: np.ndarray) -> Image.Image:
+    """uint8 HWC pixels as a PIL image (mode L for one channel, RGB or RGBA otherwise)."""
+    return Image.fromarray(pixels if pixels.shape[2] != 1 else pixels[..., 0])
 
 
 def channels_first(pixels: np.ndarray) -> np.ndarray:

@@ -26,9 +26,14 @@ def epoch_permutation(seed: int, epoch: int, n: int) -> torch.Tensor:
 
     It is the order of ``shuffle=True`` and of ``distributed=True`` at any world size.
     """
+    return torch.randperm(n, generator=epoch_generator(seed, epoch))
+
+
+def epoch_generator(seed: int, epoch: int) -> torch.Generator:
+    """A torch generator seeded from ``(seed, epoch)``: where every epoch's order is drawn."""
     generator = torch.Generator()
     generator.manual_seed(epoch_seed(seed, epoch))
-    return torch.randperm(n, generator=generator)
+    return generator
 
 
 class EpochShuffleSampler(RandomSampler):
@@ -61,9 +66,7 @@ class EpochShuffleSampler(RandomSampler):
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator()
-        generator.manual_seed(epoch_seed(self.seed, self.epoch))
-        self.generator = generator
+        self.generator = epoch_generator(self.seed, self.epoch)
         return super().__iter__()
 
 

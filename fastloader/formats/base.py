@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from fastloader.decoding import channels_first, fuse
+from fastloader.decoding import channels_first, fuse, to_pil
 from fastloader.formats.images import to_rgb
 from fastloader.formats.packfile import PackFile, PackWriter, check_file, file_identity
 from fastloader.formats.records import PackError, Record, RecordKind
@@ -148,7 +148,7 @@ def decode_image(record: Record, mode: str, where: str = "record") -> Any:
         pixels = pixels.copy()
         if mode == "numpy":
             return pixels
-        return Image.fromarray(pixels if pixels.shape[2] != 1 else pixels[:, :, 0])
+        return to_pil(pixels)
     with _decoding(where):
         image = Image.open(io.BytesIO(record.payload))
         image.load()  # inside the read transaction, and so that errors surface here

@@ -85,7 +85,8 @@ def decode_image(
 
 
 # The last bytes of a complete file: a JPEG's end-of-image marker, a PNG's IEND chunk.
-_END_MARKERS = {"JPEG": b"\xff\xd9", "PNG": b"IEND\xaeB`\x82"}
+JPEG_END = b"\xff\xd9"
+_END_MARKERS = {"JPEG": JPEG_END, "PNG": b"IEND\xaeB`\x82"}
 
 
 # NOTE [ Checking images when packing ]
