@@ -21,15 +21,15 @@ _EXPORTS = {
     "DataLoader": "fastloader.loader",
     "DevicePrefetcher": "fastloader.device",
     "EpochStats": "fastloader.stats",
-    "HDF5Dataset": "fastloader.formats",
+    "HDF5Dataset": "fastloader.datasets",
     "ImageFolder": "fastloader.folder",
-    "LMDBDataset": "fastloader.formats",
+    "LMDBDataset": "fastloader.datasets",
     "LoaderStats": "fastloader.stats",
     "Normalize": "fastloader.transforms",
     "PackSummary": "fastloader.pack",
     "PackError": "fastloader.formats",
     "move_to_device": "fastloader.device",
-    "open_pack": "fastloader.formats",
+    "open_pack": "fastloader.datasets",
     "pack": "fastloader.pack",
     "pin": "fastloader.device",
     "read_metadata": "fastloader.formats",
@@ -65,9 +65,10 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from fastloader._supervision import PoisonSampleError, WorkersLostError
+    from fastloader.datasets import HDF5Dataset, LMDBDataset, open_pack
     from fastloader.device import DevicePrefetcher, move_to_device, pin, resolve_device
     from fastloader.folder import ImageFolder
-    from fastloader.formats import HDF5Dataset, LMDBDataset, PackError, open_pack, read_metadata
+    from fastloader.formats import PackError, read_metadata
     from fastloader.formats.verify import VerifyReport, verify
     from fastloader.loader import DataLoader
     from fastloader.pack import PackSummary, pack

@@ -16,7 +16,8 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from fastloader.formats import RecordKind, encode_record
-from fastloader.formats.images import (
+from fastloader.formats.packfile import is_tensor
+from fastloader.images import (
     check_image,
     check_jpeg,
     decode_image,
@@ -25,7 +26,6 @@ from fastloader.formats.images import (
     strict_decoding,
     to_rgb,
 )
-from fastloader.formats.packfile import is_tensor
 
 
 @dataclass(frozen=True)

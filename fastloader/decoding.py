@@ -49,7 +49,7 @@ import torch
 from PIL import Image
 from torch.utils.data import get_worker_info
 
-from fastloader.formats.images import JPEG_END, is_jpeg
+from fastloader.images import JPEG_END, is_jpeg
 from fastloader.transforms import (
     CenterCrop,
     Compose,

@@ -12,7 +12,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from fastloader.decoding import fuse
-from fastloader.formats.images import IMG_EXTENSIONS, class_folder_files, to_rgb
+from fastloader.images import IMG_EXTENSIONS, class_folder_files, to_rgb
 
 __all__ = ["IMG_EXTENSIONS", "ImageFolder"]
 
@@ -31,7 +31,7 @@ class ImageFolder(Dataset):
     - the paths live in one NumPy byte buffer and ``targets`` is an int64 array, not Python
       lists, so forked workers do not copy them page by page (copy-on-write) as they read;
       ``samples`` is built as a list when asked for;
-    - images become RGB as fastloader's packs make them (``formats.images.to_rgb``: 16-bit
+    - images become RGB as fastloader's packs make them (``images.to_rgb``: 16-bit
       images are scaled, not clipped), so a folder and its pack give the same pixels.
 
     Args:

@@ -24,7 +24,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from fastloader.formats import PackedDataset, open_pack, read_metadata
+from fastloader.datasets import PackedDataset, open_pack
+from fastloader.formats import read_metadata
 from fastloader.loader import DataLoader
 
 PathLike = str | os.PathLike

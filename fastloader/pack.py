@@ -43,13 +43,12 @@ from fastloader._pack_worker import (
     encode_chunk,
 )
 from fastloader.formats import (
-    CHECKS,
     STORE_MODES,
     format_from_suffix,
     open_writer,
 )
-from fastloader.formats.images import IMG_EXTENSIONS, class_folder_files
 from fastloader.formats.metadata import human_size
+from fastloader.images import CHECKS, IMG_EXTENSIONS, class_folder_files
 
 __all__ = ["IMG_EXTENSIONS", "BadImageError", "PackSummary", "pack", "scan_image_folder"]
 

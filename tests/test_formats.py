@@ -16,8 +16,8 @@ import torch
 from PIL import Image
 
 from fastloader import DataLoader, HDF5Dataset, LMDBDataset, PackError, open_pack, read_metadata
+from fastloader.datasets import DECODE_MODES
 from fastloader.formats import (
-    DECODE_MODES,
     RecordKind,
     decode_record,
     encode_record,

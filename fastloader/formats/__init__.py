@@ -21,89 +21,73 @@ from fastloader.formats.records import (
 )
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the lazy names below, imported eagerly
-    from fastloader.formats.base import DECODE_MODES, PackedDataset, decode_image
-    from fastloader.formats.datasets import HDF5Dataset, LMDBDataset
     from fastloader.formats.hdf5 import HDF5Pack, HDF5Writer
-    from fastloader.formats.images import CHECKS
 
 # NOTE [ Torch-free pack files ]
 # `fastloader-pack --info`, `--verify` and packing an image folder must not import torch
-# (seconds on a loaded machine; see NOTE [ Fast command start-up ] in cli.py). So reading a pack
-# is split in two: the backends' readers (LMDBPack, HDF5Pack, on formats.packfile.PackFile) open
-# and check the file, its metadata, labels, records and source paths with NumPy, lmdb and h5py
-# only; the torch datasets (formats/datasets.py: LMDBDataset = LMDBPack + PackedDataset) add
-# decoding and transforms. This package imports the torch-free parts eagerly and the names
-# below on first use (PEP 562, as fastloader/__init__.py does); h5py too waits for an HDF5 pack.
-# Pack workers test for tensors without importing torch (packfile.is_tensor). tests/test_cli.py
-# checks that packing a folder, `--info` and `--verify` leave torch out of sys.modules.
-_LAZY = {
-    "DECODE_MODES": "fastloader.formats.base",
-    "PackedDataset": "fastloader.formats.base",
-    "decode_image": "fastloader.formats.base",
-    "HDF5Dataset": "fastloader.formats.datasets",
-    "LMDBDataset": "fastloader.formats.datasets",
-    "CHECKS": "fastloader.formats.images",
-    "HDF5Pack": "fastloader.formats.hdf5",  # h5py: only for HDF5 packs
-    "HDF5Writer": "fastloader.formats.hdf5",
-}
+# (seconds on a loaded machine; see NOTE [ Fast command start-up ] in cli.py). So this package
+# is the torch-free storage core: the backends' readers (LMDBPack, HDF5Pack, on
+# formats.packfile.PackFile) open and check the file, its metadata, labels, records and source
+# paths with NumPy, lmdb and h5py only, and nothing in it imports from the rest of fastloader.
+# The torch datasets (fastloader/datasets.py: LMDBDataset = LMDBPack + PackedDataset) add
+# decoding and transforms on top. h5py waits for an HDF5 pack (PEP 562, as
+# fastloader/__init__.py does). Pack workers test for tensors without importing torch
+# (packfile.is_tensor). tests/test_cli.py checks that packing a folder, `--info` and `--verify`
+# leave torch out of sys.modules; tests/test_layout.py that this package imports no torch.
+_LAZY = {"HDF5Pack": "fastloader.formats.hdf5", "HDF5Writer": "fastloader.formats.hdf5"}
+
+#: The pack formats, by the name ``format=`` and ``--format`` take.
+FORMATS = ("lmdb", "hdf5")
 
 
 def __getattr__(name: str) -> Any:
-    if name == "FORMATS":
-        from fastloader.formats.datasets import HDF5Dataset, LMDBDataset
-        from fastloader.formats.hdf5 import HDF5Writer
-
-        value: Any = {"lmdb": (LMDBDataset, LMDBWriter), "hdf5": (HDF5Dataset, HDF5Writer)}
-    elif name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-    else:
+    if name not in _LAZY:
         raise AttributeError(f"module 'fastloader.formats' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
     globals()[name] = value  # later lookups skip __getattr__
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY) | {"FORMATS"})
+    return sorted(set(globals()) | set(_LAZY))
 
 
 _LMDB_MAGIC = (0xBEEFC0DE).to_bytes(4, "little")
 _LMDB_MAGIC_OFFSET = 16  # after the 16-byte page header of the first meta page
 
 __all__ = [
-    "CHECKS",
-    "DECODE_MODES",
     "FORMAT_VERSION",
     "FORMATS",
     "STORE_MODES",
-    "HDF5Dataset",
     "HDF5Pack",
     "HDF5Writer",
-    "LMDBDataset",
     "LMDBPack",
     "LMDBWriter",
     "PackError",
     "PackFile",
-    "PackedDataset",
     "PackWriter",
     "Record",
     "RecordKind",
-    "decode_image",
     "decode_record",
     "encode_record",
     "format_from_suffix",
-    "open_pack",
     "open_pack_file",
     "open_writer",
     "read_metadata",
     "sniff_format",
 ]
 
-_BACKENDS = {"lmdb": "fastloader.formats.lmdb", "hdf5": "fastloader.formats.hdf5"}
+#: Each format's module and its reader and writer classes (h5py is imported only when needed).
+_BACKENDS = {
+    "lmdb": ("fastloader.formats.lmdb", "LMDBPack", "LMDBWriter"),
+    "hdf5": ("fastloader.formats.hdf5", "HDF5Pack", "HDF5Writer"),
+}
 
 
-def _backend(format: str, name: str) -> Any:
-    """The class ``name`` (``"Pack"`` or ``"Writer"``) of backend ``format``."""
-    return getattr(importlib.import_module(_BACKENDS[format]), format.upper() + name)
+def _backend(format: str, role: str) -> Any:
+    """The reader (``role="reader"``) or writer class of backend ``format``."""
+    module, reader, writer = _BACKENDS[format]
+    return getattr(importlib.import_module(module), reader if role == "reader" else writer)
 
 
 _SUFFIXES = {".lmdb": "lmdb", ".h5": "hdf5", ".hdf5": "hdf5"}
@@ -143,21 +127,7 @@ def open_writer(
         raise ValueError(f"format must be one of {tuple(_BACKENDS)}, got {format!r}")
     if store not in STORE_MODES:
         raise ValueError(f"store must be one of {STORE_MODES}, got {store!r}")
-    return _backend(format, "Writer")(path, store=store, classes=classes, info=info)
-
-
-def open_pack(path: str | os.PathLike, **kwargs: Any) -> LMDBDataset | HDF5Dataset:
-    """Open a pack of either format, recognised by its content; kwargs go to the dataset.
-
-    Raises:
-        FileNotFoundError: if ``path`` does not exist.
-        PackError: if it is not a complete, readable fastloader pack.
-    """
-    from fastloader.formats.datasets import HDF5Dataset, LMDBDataset
-
-    path = Path(path)
-    check_file(path)
-    return {"lmdb": LMDBDataset, "hdf5": HDF5Dataset}[sniff_format(path)](path, **kwargs)
+    return _backend(format, "writer")(path, store=store, classes=classes, info=info)
 
 
 def open_pack_file(path: str | os.PathLike, *, verify_checksums: bool = True) -> PackFile:
@@ -171,7 +141,7 @@ def open_pack_file(path: str | os.PathLike, *, verify_checksums: bool = True) ->
     """
     path = Path(path)
     check_file(path)
-    return _backend(sniff_format(path), "Pack")(path, verify_checksums=verify_checksums)
+    return _backend(sniff_format(path), "reader")(path, verify_checksums=verify_checksums)
 
 
 def sniff_format(path: Path) -> str:

@@ -166,8 +166,9 @@ _environments = _Environments()
 class LMDBPack(PackFile):
     """The torch-free reader of a pack written by ``fastloader-pack`` in LMDB format.
 
-    ``--info``, ``--verify`` and ``read_metadata`` use it; ``LMDBDataset`` (formats/datasets.py) is
-    this reader with decoding and transforms. Arguments and errors as ``PackFile``.
+    ``--info``, ``--verify`` and ``read_metadata`` use it; ``LMDBDataset``
+    (fastloader/datasets.py) is this reader with decoding and transforms. Arguments and errors
+    as ``PackFile``.
     """
 
     backend = "lmdb"

@@ -1,7 +1,10 @@
-"""PackedDataset: a pack as a torch map-style dataset (decoding and transforms on PackFile).
+"""The torch datasets over packs: ``LMDBDataset``, ``HDF5Dataset`` and their base ``PackedDataset``.
 
-The reading core (fork-safe opening, checked records, source paths) is ``formats.packfile.
-PackFile``, which needs no torch; see NOTE [ Fork-safe readers ] there.
+Runs in whichever process reads (the main process, or each DataLoader worker). The reading
+core (fork-safe opening, checked records, source paths) is ``fastloader.formats``, which needs
+no torch: ``LMDBDataset`` is the backend's torch-free reader ``LMDBPack`` with
+``PackedDataset``'s decoding and transforms (see NOTE [ Torch-free pack files ] in
+formats/__init__.py, and NOTE [ Fork-safe readers ] in formats/packfile.py).
 """
 
 from __future__ import annotations
@@ -18,12 +21,16 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from fastloader.decoding import channels_first, fuse, to_pil
-from fastloader.formats.images import to_rgb
+from fastloader.formats.hdf5 import HDF5Pack
+from fastloader.formats.lmdb import LMDBPack
 from fastloader.formats.packfile import PackFile, PackWriter, check_file, file_identity
 from fastloader.formats.records import PackError, Record, RecordKind
+from fastloader.images import to_rgb
 
 __all__ = [
     "DECODE_MODES",
+    "HDF5Dataset",
+    "LMDBDataset",
     "PackError",
     "PackFile",
     "PackWriter",
@@ -31,6 +38,7 @@ __all__ = [
     "check_file",
     "decode_image",
     "file_identity",
+    "open_pack",
 ]
 
 DECODE_MODES = ("pil", "tensor", "numpy", "bytes")
@@ -40,7 +48,7 @@ class PackedDataset(PackFile, Dataset):
     """Base of the packed-file datasets: an ImageFolder-like map-style dataset over one file.
 
     A backend's dataset is its ``PackFile`` reader with this class: ``class LMDBDataset(
-    LMDBPack, PackedDataset)`` (see formats/datasets.py).
+    LMDBPack, PackedDataset)`` (below).
     """
 
     def __init__(
@@ -131,7 +139,7 @@ class PackedDataset(PackFile, Dataset):
 def decode_image(record: Record, mode: str, where: str = "record") -> Any:
     """Turn a record's payload into a PIL RGB image, a uint8 CHW tensor, a HWC array or bytes.
 
-    Stored image files are converted to RGB as packing converts them (``formats.images.to_rgb``:
+    Stored image files are converted to RGB as packing converts them (``images.to_rgb``:
     like torchvision's loader, except that 16-bit images are scaled rather than clipped).
 
     The result never refers to the file's memory, so it outlives the read transaction.
@@ -172,3 +180,57 @@ def _decoding(where: str) -> Iterator[None]:
         yield
     except (OSError, SyntaxError, ValueError) as error:  # what PIL raises for a bad image
         raise PackError(f"{where}: stored image does not decode ({error})") from error
+
+
+class LMDBDataset(LMDBPack, PackedDataset):
+    """An ImageFolder-like dataset over a pack written by ``fastloader-pack`` in LMDB format.
+
+    Args:
+        path: the ``.lmdb`` file.
+        transform: applied to each image (as torchvision transforms are).
+        target_transform: applied to each label.
+        decode: "pil" (RGB image, default), "tensor" (uint8 CHW), "numpy" (uint8 HWC), or
+            "bytes" (the stored payload).
+        verify_checksums: check each record's checksum as it is read (default True).
+
+    Raises:
+        FileNotFoundError: if ``path`` does not exist.
+        PackError: if it is empty, truncated, damaged, not a fastloader LMDB pack, unfinished,
+            or from another format version.
+        ValueError: for an unknown ``decode``.
+    """
+
+
+class HDF5Dataset(HDF5Pack, PackedDataset):
+    """An ImageFolder-like dataset over a pack written by ``fastloader-pack`` in HDF5 format.
+
+    Args:
+        path: the ``.h5``/``.hdf5`` file.
+        transform: applied to each image (as torchvision transforms are).
+        target_transform: applied to each label.
+        decode: "pil" (RGB image, default), "tensor" (uint8 CHW), "numpy" (uint8 HWC), or
+            "bytes" (the stored payload).
+        verify_checksums: check each record's checksum as it is read (default True).
+
+    Raises:
+        FileNotFoundError: if ``path`` does not exist.
+        PackError: if it is empty, truncated, damaged, not a fastloader HDF5 pack (or not laid
+            out as fastloader writes them), unfinished, or from another format version.
+        ValueError: for an unknown ``decode``.
+    """
+
+
+def open_pack(path: str | os.PathLike, **kwargs: Any) -> LMDBDataset | HDF5Dataset:
+    """Open a pack of either format, recognised by its content; kwargs go to the dataset.
+
+    Raises:
+        FileNotFoundError: if ``path`` does not exist.
+        PackError: if it is not a complete, readable fastloader pack.
+    """
+    from pathlib import Path
+
+    from fastloader.formats import sniff_format
+
+    path = Path(path)
+    check_file(path)
+    return {"lmdb": LMDBDataset, "hdf5": HDF5Dataset}[sniff_format(path)](path, **kwargs)
