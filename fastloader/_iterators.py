@@ -33,24 +33,11 @@ The module is longer than our ~500-line habit because all of that has to live he
 not touch torch internals lives in _supervision.py (main-process bookkeeping) and
 _worker_guard.py (what runs in workers).
 
-NOTE [ Cross-epoch prefetch ]
-
-torch's persistent workers idle at every epoch boundary: the sampler of epoch e is exhausted,
-the last batches are consumed, and only the next ``__iter__`` primes the workers again, so the
-first batch of every epoch waits for a full batch load. Here indices come from an
-``_EpochSchedule`` that, when the order of the next epoch is already determined (our seeded
-shuffle sampler, a sequential sampler, anything with ``set_epoch`` such as DistributedSampler),
-carries on into epoch e+1 as soon as epoch e's indices run out: workers keep loading. Every
-task carries its epoch (NOTE [ Seeding contract ]), so a batch is identical whether it was
-loaded early or not. The schedule looks one batch ahead, so the length of an epoch is known
-before its last batch is consumed; ``_next_data`` stops there. If the next iteration is not the
-epoch that was prefetched (the loop broke out early, ``set_epoch`` jumped, a state was
-loaded), the prefetched batches are drained with torch's own reset and loading restarts.
+See NOTE [ Cross-epoch prefetch ] in _schedule.py for how tasks run ahead into the next epoch.
 """
 
 from __future__ import annotations
 
-import itertools
 import multiprocessing
 import os
 import shutil
@@ -59,7 +46,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -77,16 +64,14 @@ from torch.utils.data.dataloader import (
 )
 
 from fastloader import _supervision
+from fastloader._schedule import EpochSchedule
 from fastloader._supervision import (
     NOT_STARTED,
-    POISON_DEATHS,
     POLL_S,
     DeathLedger,
-    PoisonSampleError,
     WorkersLostError,
-    describe_exit,
     dump_stacks,
-    error_result,
+    judge_death,
     release_orphaned_write_lock,
     stall_message,
     warn_death,
@@ -99,8 +84,6 @@ from fastloader.samplers import (
     set_epoch_unrecorded,
 )
 from fastloader.seeding import RNGStateSwap, SeededDataset, SeededIterableDataset, Task
-
-_END = object()
 
 
 def order_is_predictable(loader: Any) -> bool:
@@ -117,110 +100,20 @@ def order_is_predictable(loader: Any) -> bool:
     return callable(getattr(sampler, "set_epoch", None))
 
 
-def _indices_from(index_sampler: Any, batched: bool, skip: int) -> Iterator[Any]:
-    """The index sampler's items of the current epoch, from position ``skip`` on.
-
-    ``skip`` counts samples of the sampler's order (global samples for
-    ``ElasticDistributedSampler``), except for a batch sampler of the user's, whose batches
-    cannot be re-cut: there it counts batches. See NOTE [ Resume is exact or refused ].
-    """
-    if skip == 0:
-        return iter(index_sampler)
-    custom_batches = batched and type(index_sampler) is not BatchSampler
-    if custom_batches:
-        return itertools.islice(iter(index_sampler), skip, None)
-    sampler = index_sampler.sampler if batched else index_sampler
-    if callable(getattr(sampler, "iter_from", None)):
-        stream = sampler.iter_from(skip)
-    else:
-        stream = itertools.islice(iter(sampler), skip, None)
-    if not batched:
-        return stream
-    return iter(BatchSampler(stream, index_sampler.batch_size, index_sampler.drop_last))
-
-
-class _EpochSchedule:
-    """Hands out ``Task``s (epoch + indices) one epoch after another, one task ahead.
-
-    ``start(epoch, skip)`` begins ``epoch`` at position ``skip`` of its order: samples (global
-    samples with ``distributed=True``), or batches for a user's batch sampler (see
-    ``_indices_from``). ``lengths[e]`` is where a consumer's count of delivered tasks ends
-    epoch ``e`` when it counts from ``skip`` for the started epoch (and from 0 for the epochs
-    after it): ``skip`` plus the number of tasks of the epoch sent from there.
-
-    It holds no reference to the loader, so a loader and its workers can be collected.
-    """
-
-    def __init__(
-        self,
-        index_sampler: Any,
-        set_epoch: Callable[[int], None],
-        may_cross: bool,
-        batched: bool = True,
-    ):
-        self._index_sampler = index_sampler
-        self._set_epoch = set_epoch
-        self._batched = batched
-        self.may_cross = may_cross
-        self.lengths: dict[int, int] = {}  # epoch -> where its count of tasks ends, once known
-        self.epoch = -1  # the epoch tasks are being sent for
-        self._indices: Iterator[Any] = iter(())
-        self._next: Any = _END
-        self._sent = 0
-
-    def start(self, epoch: int, skip: int = 0) -> None:
-        """Send tasks of ``epoch`` from position ``skip`` on, dropping anything pending."""
-        self._open(epoch, skip)
-
-    def _open(self, epoch: int, skip: int = 0) -> None:
-        self.epoch = epoch
-        self._sent = skip
-        self.lengths.pop(epoch, None)
-        self._set_epoch(epoch)
-        self._indices = _indices_from(self._index_sampler, self._batched, skip)
-        self._next = next(self._indices, _END)
-        if self._next is _END:
-            self.lengths[epoch] = skip
-
-    def _advance(self) -> Any:
-        current = self._next
-        self._sent += 1
-        self._next = next(self._indices, _END)
-        if self._next is _END:
-            self.lengths[self.epoch] = self._sent
-        return current
-
-    def finish_epoch(self) -> None:
-        """Count the current epoch's tasks left unsent, so that its ``lengths`` is known."""
-        while self._next is not _END:
-            self._advance()
-
-    def next_task(self, number: int = -1) -> Task:
-        """The next task to send (as torch's task ``number``). Raises StopIteration when nothing
-        may be sent now."""
-        if self._next is _END:
-            if not self.may_cross or self.epoch < 0:
-                raise StopIteration
-            self._open(self.epoch + 1)
-            if self._next is _END:
-                raise StopIteration
-        return Task(self.epoch, self._advance(), number)
-
-
-def _schedule_for(loader: Any, may_cross: bool) -> _EpochSchedule:
+def _schedule_for(loader: Any, may_cross: bool) -> EpochSchedule:
     def set_epoch(epoch: int) -> None:
         for sampler in samplers:
             set_epoch_unrecorded(sampler, epoch)
 
     samplers = samplers_with_set_epoch(loader)
     batched = loader.batch_sampler is not None
-    return _EpochSchedule(loader._index_sampler, set_epoch, may_cross, batched)
+    return EpochSchedule(loader._index_sampler, set_epoch, may_cross, batched)
 
 
 class _SeededDatasetMixin:
     """Swaps in the seeded dataset wrapper where torch's iterator stores the dataset."""
 
-    _seed: int
+    _cursor: Any  # the loader's EpochCursor (NOTE [ The epoch cursor ] in _cursor.py)
     _shared_epoch: Any
     _progress: Any = None
 
@@ -233,9 +126,9 @@ class _SeededDatasetMixin:
         if isinstance(dataset, (SeededDataset, SeededIterableDataset)):
             wrapped = dataset
         elif self._schedule is None:
-            wrapped = SeededIterableDataset(dataset, self._seed, self._shared_epoch)
+            wrapped = SeededIterableDataset(dataset, self._cursor.seed, self._shared_epoch)
         else:
-            wrapped = SeededDataset(dataset, self._seed, self._progress)
+            wrapped = SeededDataset(dataset, self._cursor.seed, self._progress)
         self.__dict__["_seeded_dataset"] = wrapped
 
     def _next_index(self) -> Any:
@@ -248,10 +141,10 @@ class _LoaderIterMixin:
     """Makes torch's iterator what ``iter(loader)`` returns, adding the loader's bookkeeping.
 
     ``__next__`` is torch's (profiler label, ``_num_yielded``, the IterableDataset length
-    warning) plus loading-time stats, the loader's count of consumed batches (a batch whose
-    loading raised counts too, as it does toward the end of the epoch) and, with ``device``,
-    the copy to the device ahead of use. The loader is held weakly: dropping the loader or
-    this iterator stops the workers as with torch.
+    warning) plus loading-time stats, the epoch cursor's count of consumed batches (a batch
+    whose loading raised counts too, as it does toward the end of the epoch) and, with
+    ``device``, the copy to the device ahead of use. The loader is held weakly: dropping the
+    loader or this iterator stops the workers as with torch.
     """
 
     _delivered: int  # batches of this epoch handed on (or raised), counted by each iterator
@@ -259,6 +152,7 @@ class _LoaderIterMixin:
 
     def _bind(self, loader: Any) -> None:
         self._loader_ref = weakref.ref(loader)
+        self._cursor = loader._cursor
         self._stats = loader.stats
         self._device_batches = None
         if loader._resolved_device is not None:
@@ -283,9 +177,7 @@ class _LoaderIterMixin:
             else:
                 batch = next(self._device_batches)
         except StopIteration:
-            loader = self._loader_ref()
-            if loader is not None:
-                loader._epoch_complete = True
+            self._cursor.finished()
             self._stats.end_epoch()
             raise
         except KeyboardInterrupt:
@@ -296,16 +188,12 @@ class _LoaderIterMixin:
                 counted = self._delivered != delivered
             else:  # the prefetcher raises a failure after the batches pulled before it
                 counted = _take(self._counted_failures, error)
-            loader = self._loader_ref()
-            if loader is not None and counted:
-                loader.__dict__["_consumed"] += 1
+            if counted:
+                self._cursor.consumed_batch()
             raise
         now = time.perf_counter()
         self._stats.record_batch(now - started, batch, now)
-        loader = self._loader_ref()
-        if loader is not None:
-            # not `loader._consumed += 1`: torch's DataLoader.__setattr__ is a Python call
-            loader.__dict__["_consumed"] += 1
+        self._cursor.consumed_batch()
         return batch
 
 
@@ -342,7 +230,7 @@ class SingleProcessIter(_SeededDatasetMixin, _LoaderIterMixin, _SingleProcessDat
     """One epoch loaded in the main process, without disturbing the training loop's RNGs."""
 
     def __init__(self, loader: Any, epoch: int, skip: int = 0) -> None:
-        self._seed = loader.seed
+        self._cursor = loader._cursor
         self._shared_epoch = multiprocessing.RawValue("q", epoch)
         self._schedule = None
         if loader._dataset_kind == _DatasetKind.Map:
@@ -372,7 +260,7 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
     supervise = True  # False turns supervision off (benchmarks/supervision.py measures it)
 
     def __init__(self, loader: Any, epoch: int, skip: int = 0) -> None:
-        self._seed = loader.seed
+        self._cursor = loader._cursor
         context = loader.multiprocessing_context or multiprocessing.get_context()
         self._shared_epoch = context.RawValue("q", epoch)
         self._schedule = None
@@ -396,7 +284,7 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
         self._stack_folder = tempfile.mkdtemp(prefix="fastloader-stacks-")
         weakref.finalize(self, shutil.rmtree, self._stack_folder, True)
         self._reseeded = None  # see WorkerInit; checked until the first epoch ends
-        if loader.worker_init_fn is not None and not getattr(loader, "_reseed_warned", False):
+        if loader.worker_init_fn is not None and "reseeded" not in loader._warned:
             self._reseeded = context.RawValue("b", 0)
         self._epoch = epoch
         self._delivered = skip
@@ -536,7 +424,7 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
         self._reseeded = None
         loader = self._loader_ref()
         if loader is not None:
-            loader._reseed_warned = True
+            loader._warned.add("reseeded")
         warnings.warn(
             "fastloader: worker_init_fn changed the global random states (for example torch's "
             "seed_worker recipe). fastloader seeds random, numpy.random and torch for every "
@@ -573,44 +461,38 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
     def _try_get_data(self, timeout: float = _utils.MP_STATUS_CHECK_INTERVAL) -> Any:
         if not self._supervised:
             return super()._try_get_data(timeout)
-        if self._settled:  # a poison verdict is the result of its task
-            return True, self._settled.pop(0)
-        deadline = None
-        wait = POLL_S if timeout > POLL_S else timeout
+        deadline = time.monotonic() + timeout
         while True:
-            try:
-                success, data = super()._try_get_data(wait)
-            except RuntimeError:
-                dead = self._dead_slots()
-                if not dead:
-                    raise
-                self._heal(dead)
-                if self._settled:
-                    return True, self._settled.pop(0)
-                success, data = False, None
-            except (OSError, EOFError):
-                # A result whose tensors lived in a worker that has died cannot be rebuilt.
-                # Its task was (or is now) re-sent with the dead worker's other tasks.
-                dead = self._wait_for_a_death(1.0)
-                if dead:
-                    self._heal(dead)
-                    if self._settled:
-                        return True, self._settled.pop(0)
-                elif not self._replaced:
-                    raise
-                success, data = False, None
+            if self._settled:  # a poison verdict is the result of its task
+                return True, self._settled.pop(0)
+            wait = min(POLL_S, max(0.0, deadline - time.monotonic()))
+            success, data = self._poll_results(wait)
             if success:
                 return success, data
             if self._starting:
                 self._check_starts()
-                if self._settled:
-                    return True, self._settled.pop(0)
-            now = time.monotonic()
-            if deadline is None:
-                deadline = now + timeout - wait
-            if now >= deadline:
+            if not self._settled and time.monotonic() >= deadline:
                 return False, None
-            wait = min(POLL_S, deadline - now)
+
+    def _poll_results(self, wait: float) -> tuple[bool, Any]:
+        """torch's wait for one result, for ``wait`` seconds; dead workers found meanwhile
+        are replaced (their verdicts land in ``_settled``)."""
+        try:
+            return super()._try_get_data(wait)
+        except RuntimeError:  # torch found a dead worker
+            dead = self._dead_slots()
+            if not dead:
+                raise
+            self._heal(dead)
+        except (OSError, EOFError):
+            # A result whose tensors lived in a worker that has died cannot be rebuilt.
+            # Its task was (or is now) re-sent with the dead worker's other tasks.
+            dead = self._wait_for_a_death(1.0)
+            if dead:
+                self._heal(dead)
+            elif not self._replaced:
+                raise
+        return False, None
 
     def _shutdown_workers(self) -> None:
         if "_shutdown" in self.__dict__:  # not when __init__ failed before starting workers
@@ -651,23 +533,32 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
                 self._heal([slot], never_started=True)
 
     def _heal(self, slots: list[int], never_started: bool = False) -> None:
+        # Mechanics only; what a death means is _supervision.judge_death's to say.
         for slot in slots:
             old = self._workers[slot]
             old.join(timeout=0)
-            exitcode = old.exitcode
             unfinished = sorted(
                 number
                 for number, info in self._task_info.items()
                 if len(info) == 1 and info[0] == slot
             )
-            self._blame(slot, exitcode, unfinished)
-            if not self._ledger.restarted(slot):
-                self._broken = (
-                    f"fastloader: DataLoader worker {slot} died again before delivering a batch "
-                    f"(pid {old.pid} {describe_exit(exitcode)}); workers cannot be restored. "
-                    "Every remaining batch of this epoch raises this error; the next epoch "
-                    "starts fresh workers."
-                )
+            verdict = judge_death(
+                self._ledger,
+                slot,
+                old.pid,
+                old.exitcode,
+                self._progress[slot],
+                unfinished,
+                self._sent_tasks,
+            )
+            if verdict.poisoned is not None:
+                number, result = verdict.poisoned
+                self._sent_tasks.pop(number, None)
+                # handed on by _get_data as the task's result, so torch's loop goes on even
+                # when no other result will come (the following tasks are poison too)
+                self._settled.append((number, result))
+            if verdict.broken is not None:
+                self._broken = verdict.broken
                 raise WorkersLostError(self._broken)
             if not never_started:  # one that never ran cannot hold the lock: a live one does
                 release_orphaned_write_lock(self._worker_result_queue)
@@ -679,28 +570,13 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
             queue = self._index_queues[slot]
             if self._resetting:
                 queue.put(_utils.worker._ResumeIteration(self._shared_seed))
-            for number in unfinished:
+            for number in verdict.resend:
                 queue.put((number, self._sent_tasks[number]))
             self._replaced += 1
             if never_started:
                 warn_never_started(slot, old.pid, replaced=True)
             else:
-                warn_death(slot, old.pid, exitcode, len(unfinished))
-
-    def _blame(self, slot: int, exitcode: int | None, unfinished: list[int]) -> None:
-        # Only the task the worker had started is blamed; see NOTE [ Supervised workers ].
-        current = self._progress[slot]
-        if current not in unfinished:
-            return
-        if self._ledger.blame(current, exitcode) < POISON_DEATHS:
-            return
-        task = self._sent_tasks.pop(current)
-        message = self._ledger.poison_message(current, task)
-        # Handed on by _get_data as the task's result, so torch's loop goes on even when no
-        # other result will come (the following tasks are poison too).
-        self._settled.append((current, error_result(PoisonSampleError(message))))
-        unfinished.remove(current)
-        self._ledger.progressed(slot)  # a poison verdict settles a task: that is progress
+                warn_death(slot, old.pid, old.exitcode, len(verdict.resend))
 
     def _start_worker(self, slot: int) -> None:
         index_queue = self._process_factory.Queue()

@@ -173,23 +173,20 @@ def build_state(loader: Any) -> dict[str, Any]:
     """The loader's state: JSON-able, its size O(1) in the dataset size (building it is O(1)
     too, except for a list or tuple of indices as the sampler, which is hashed: O(its length))."""
     description = describe_order(loader)
-    started, complete = loader._epoch_started, loader._epoch_complete
-    position = 0
-    if started:
-        position = loader._start_position + loader._consumed * description["step"]
-        if description["epoch_length"] is not None:
-            position = min(position, description["epoch_length"])
+    cursor = loader._cursor  # NOTE [ The epoch cursor ] in _cursor.py
+    started = cursor.started
+    position = cursor.position(description["step"], description["epoch_length"])
     order = {key: description[key] for key in _ORDER_FIELDS}
     order.update(sampler_seed=description["sampler_seed"], in_order=_delivered_in_order(loader))
     return {
         "fastloader_state_version": STATE_VERSION,
-        "seed": loader.seed,
-        "epoch": loader.epoch,
+        "seed": cursor.seed,
+        "epoch": cursor.epoch,
         "epoch_started": started,
-        "epoch_complete": complete,
+        "epoch_complete": cursor.complete,
         "position": position,
         "unit": description["unit"],
-        "batches_consumed": loader._consumed if started else 0,
+        "batches_consumed": cursor.consumed if started else 0,
         "batch_size": description["batch_size"],
         "order": order,
     }

@@ -1,4 +1,6 @@
-"""Worker supervision bookkeeping, in the main process: deaths, warnings, poison samples, stalls.
+"""Worker supervision policy, in the main process: what a death means, warnings, poison samples,
+stall reports. The mechanics (noticing deaths, starting replacements, re-sending tasks) are the
+pool iterator's, in _iterators.py, which asks ``judge_death`` what each death means.
 
 NOTE [ Supervised workers ]
 
@@ -30,7 +32,7 @@ import os
 import signal
 import time
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch._utils import ExceptionWrapper
 
@@ -167,6 +169,55 @@ class DeathLedger:
     def progressed(self, slot: int) -> None:
         if self.restarts_without_progress:
             self.restarts_without_progress.pop(slot, None)
+
+
+class DeathVerdict(NamedTuple):
+    """What one worker death means (see NOTE [ Supervised workers ])."""
+
+    resend: list[int]  # task numbers to re-send to the replacement, in order
+    poisoned: tuple[int, ExceptionWrapper] | None  # (task number, its error result)
+    broken: str | None  # set when workers cannot be restored: the error to raise
+
+
+def judge_death(
+    ledger: DeathLedger,
+    slot: int,
+    pid: int | None,
+    exitcode: int | None,
+    current: int,
+    unfinished: list[int],
+    tasks: dict[int, Any],
+) -> DeathVerdict:
+    """Decide what the death of worker ``slot`` means: the whole supervision policy.
+
+    Only the task the worker had started (``current``, from its progress slot) is blamed; a
+    task blamed ``POISON_DEATHS`` times becomes an error result for its batch and counts as
+    progress of the slot. A slot replaced ``RESTARTS_WITHOUT_PROGRESS`` times in a row without
+    progress means workers cannot be restored.
+
+    Args:
+        ledger: the pool's record of deaths and restarts (updated here).
+        slot, pid, exitcode: the dead worker.
+        current: the task number the worker was loading, or a negative value.
+        unfinished: the numbers of the tasks it held, sorted.
+        tasks: task number -> the task sent (for the poison message).
+    """
+    resend = list(unfinished)
+    poisoned = None
+    if current in resend and ledger.blame(current, exitcode) >= POISON_DEATHS:
+        message = ledger.poison_message(current, tasks.get(current))
+        poisoned = (current, error_result(PoisonSampleError(message)))
+        resend.remove(current)
+        ledger.progressed(slot)  # a poison verdict settles a task: that is progress
+    broken = None
+    if not ledger.restarted(slot):
+        broken = (
+            f"fastloader: DataLoader worker {slot} died again before delivering a batch "
+            f"(pid {pid} {describe_exit(exitcode)}); workers cannot be restored. "
+            "Every remaining batch of this epoch raises this error; the next epoch "
+            "starts fresh workers."
+        )
+    return DeathVerdict(resend, poisoned, broken)
 
 
 def stall_message(

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import DistributedSampler, IterableDataset
 
+from fastloader._cursor import EpochCursor
 from fastloader._iterators import SingleProcessIter, WorkerPoolIter
 from fastloader._resume import build_state, resume_point
 from fastloader.distributed import ElasticDistributedSampler
@@ -152,23 +153,38 @@ class DataLoader(TorchDataLoader[T_co]):
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
-        self.seed = seed
+        # where the loader is: epoch, position, resume target and seed (NOTE [ The epoch
+        # cursor ] in _cursor.py); `epoch` and `seed` are properties over it
+        self._cursor = EpochCursor(seed)
         self.distributed = distributed
         self.device = device
         self.device_prefetch = device_prefetch
         self.device_transform = device_transform
         self.stats = LoaderStats()
-        self.epoch = 0
-        self._epoch_started = False  # whether self.epoch has started (else it is next)
-        self._consumed = 0  # batches of self.epoch handed to the user by this iteration
-        self._epoch_complete = False
-        self._start_position = 0  # where this iteration started in self.epoch's order
-        self._resume_position = 0  # where the next iteration starts, if it is self.epoch
+        self._warned: set[str] = set()  # warnings given once per loader
         self._epoch_requests = _record_set_epoch_calls(self)
         self._resolved_device = resolved_device
         self._pool: WorkerPoolIter | None = None
 
     # -- epochs -------------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch (the next one to run, until it has started)."""
+        return self._cursor.epoch
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        self._cursor.epoch = epoch
+
+    @property
+    def seed(self) -> int:
+        """The seed of the order and of every sample's RNGs (held by the epoch cursor)."""
+        return self._cursor.seed
+
+    @seed.setter
+    def seed(self, seed: int) -> None:
+        self._cursor.seed = seed
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration epoch ``epoch``, from its start.
@@ -183,9 +199,7 @@ class DataLoader(TorchDataLoader[T_co]):
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
         self._take_epoch_request()
-        self.epoch = epoch
-        self._epoch_started = False
-        self._resume_position = 0
+        self._cursor.jump_to(epoch)
 
     def _take_epoch_request(self) -> int | None:
         """The epoch of the last ``sampler.set_epoch`` call made by the user, if any."""
@@ -204,24 +218,9 @@ class DataLoader(TorchDataLoader[T_co]):
             raise ValueError(f"sampler.set_epoch got {requested!r}: epochs are non-negative ints")
         return epoch
 
-    def _next_epoch(self) -> tuple[int, int]:
-        requested = self._take_epoch_request()
-        if self._epoch_started:
-            self.epoch += 1
-            self._resume_position = 0
-        if requested is not None and requested != self.epoch:
-            self.epoch = requested  # the user's own counter wins
-            self._resume_position = 0
-        position, self._resume_position = self._resume_position, 0
-        self._epoch_started = True
-        self._start_position = position
-        self._consumed = 0
-        self._epoch_complete = False
-        return self.epoch, position
-
     def __iter__(self) -> Iterator[Any]:
         """One epoch: torch's iterator class (``_BaseDataLoaderIter``), kept across epochs."""
-        epoch, skip = self._next_epoch()
+        epoch, skip = self._cursor.begin(self._take_epoch_request())
         self.stats.start_epoch(epoch)
         # torch draws a worker base seed from the global generator for every new iterator;
         # samples are seeded from (seed, epoch, index) instead, so keep the user's stream intact.
@@ -297,24 +296,25 @@ class DataLoader(TorchDataLoader[T_co]):
                 resumed exactly by this loader (naming the field that differs).
         """
         epoch, position = resume_point(state, self)
-        self.seed = state["seed"]
         saved_seed = state.get("order", {}).get("sampler_seed")
         if isinstance(saved_seed, bool) or not isinstance(saved_seed, int):
             saved_seed = None
-        for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
-            # the order's seed: the sampler's own when recorded (version 2), else the loader's
-            if isinstance(sampler, (EpochShuffleSampler, ElasticDistributedSampler)):
-                sampler.seed = state["seed"] if saved_seed is None else saved_seed
-            elif isinstance(sampler, DistributedSampler) and saved_seed is not None:
-                sampler.seed = saved_seed
+        self._seed_samplers(state["seed"] if saved_seed is None else saved_seed, saved_seed)
         self.close()  # running workers hold the old seed
         self._take_epoch_request()  # the state is newer than any earlier sampler.set_epoch
-        self.epoch = epoch
-        self._epoch_started = False
-        self._resume_position = position
-        self._start_position = position
-        self._consumed = 0
-        self._epoch_complete = False
+        self._cursor.resume_at(epoch, position, state["seed"])
+
+    def _seed_samplers(self, order_seed: int, recorded_seed: int | None) -> None:
+        """Give the samplers that draw the order from a seed the order's seed.
+
+        fastloader's samplers take ``order_seed``; torch's DistributedSampler only a seed the
+        state recorded for it (``recorded_seed``), as its own seed is the user's choice.
+        """
+        for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
+            if isinstance(sampler, (EpochShuffleSampler, ElasticDistributedSampler)):
+                sampler.seed = order_seed
+            elif isinstance(sampler, DistributedSampler) and recorded_seed is not None:
+                sampler.seed = recorded_seed
 
 
 def _resolve_device(device: Any, device_prefetch: Any) -> torch.device | None:

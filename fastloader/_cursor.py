@@ -1,0 +1,105 @@
+"""The epoch cursor: which epoch the loader is in, and where in its order (main process).
+
+NOTE [ The epoch cursor ]
+
+One object, ``EpochCursor``, owns everything that says where a loader is: the epoch, whether
+it has started, where this iteration started in the epoch's order, the batches handed out
+since, whether the epoch ran to its end, where the next iteration starts (a resume target),
+and the seed. Everything else reads it or calls one of its transitions:
+
+- ``jump_to(epoch)`` — ``loader.set_epoch``: the next iteration is ``epoch``, from its start;
+- ``resume_at(epoch, position, seed)`` — ``load_state_dict``: the next iteration is ``epoch``,
+  from ``position`` (in the unit of ``_resume.describe_order``);
+- ``begin(requested)`` — ``iter(loader)``: move to the next epoch (or the user's
+  ``sampler.set_epoch`` value, NOTE [ A user's set_epoch wins ] in samplers.py), take the
+  resume target, and return (epoch, position) for the iterator;
+- ``consumed_batch()`` and ``finished()`` — the iterator, as it hands out a batch (or its
+  error) and when the epoch runs out;
+- ``position(step, length)`` — ``state_dict``: where the next unseen sample is.
+
+The seed is held here once. The samplers that draw the order from it (fastloader's
+``EpochShuffleSampler`` and ``ElasticDistributedSampler``, torch's ``DistributedSampler``) get
+it from the cursor when it changes (``_seed_samplers`` in loader.py); worker processes get it
+when they start, and ``load_state_dict`` restarts them, so no other copy can go stale.
+
+The loader's public ``epoch`` and ``seed`` attributes are properties over this object.
+"""
+
+from __future__ import annotations
+
+
+class EpochCursor:
+    """Where a loader is: epoch, started/complete, position in the order, resume target, seed.
+
+    Attributes (read them; change them only through the methods):
+        seed: the seed of the order and of every sample's RNGs.
+        epoch: the current epoch (the next one to run, until it has started).
+        started: whether ``epoch`` has started (else it is the next one).
+        complete: whether the current iteration ran to the end of ``epoch``.
+        start: where the current iteration started in ``epoch``'s order.
+        consumed: batches handed out (or raised in their place) by the current iteration.
+        target: where the next iteration starts, if it is ``epoch``.
+    """
+
+    __slots__ = ("seed", "epoch", "started", "complete", "start", "consumed", "target")
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.epoch = 0
+        self.started = False
+        self.complete = False
+        self.start = 0
+        self.consumed = 0
+        self.target = 0
+
+    def jump_to(self, epoch: int) -> None:
+        """The next iteration is ``epoch``, from its start (``loader.set_epoch``)."""
+        self.epoch = epoch
+        self.started = False
+        self.target = 0
+
+    def resume_at(self, epoch: int, position: int, seed: int) -> None:
+        """The next iteration is ``epoch`` from ``position``, with ``seed`` (a loaded state)."""
+        self.seed = seed
+        self.epoch = epoch
+        self.started = False
+        self.complete = False
+        self.target = position
+        self.start = position
+        self.consumed = 0
+
+    def begin(self, requested: int | None = None) -> tuple[int, int]:
+        """Start an iteration: the epoch after a started one (or ``requested``, the user's
+        ``sampler.set_epoch`` value, when it differs), from the resume target or its start.
+
+        Returns:
+            (epoch, position in its order) for the iterator.
+        """
+        if self.started:
+            self.epoch += 1
+            self.target = 0
+        if requested is not None and requested != self.epoch:
+            self.epoch = requested  # the user's own counter wins
+            self.target = 0
+        position, self.target = self.target, 0
+        self.started = True
+        self.start = position
+        self.consumed = 0
+        self.complete = False
+        return self.epoch, position
+
+    def consumed_batch(self) -> None:
+        """A batch (or the error raised in its place) was handed out."""
+        self.consumed += 1
+
+    def finished(self) -> None:
+        """The current iteration ran to the end of its epoch."""
+        self.complete = True
+
+    def position(self, step: int, length: int | None) -> int:
+        """Where the next unseen item of the epoch is: ``step`` items per batch consumed,
+        capped at the epoch's ``length`` when known; 0 before the epoch has started."""
+        if not self.started:
+            return 0
+        position = self.start + self.consumed * step
+        return position if length is None else min(position, length)
