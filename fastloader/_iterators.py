@@ -64,6 +64,7 @@ from torch.utils.data.dataloader import (
 )
 
 from fastloader import _supervision
+from fastloader._result_queue import guard_reads
 from fastloader._schedule import EpochSchedule
 from fastloader._supervision import (
     NOT_STARTED,
@@ -286,12 +287,14 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
         self._reseeded = None  # see WorkerInit; checked until the first epoch ends
         if loader.worker_init_fn is not None and "reseeded" not in loader._warned:
             self._reseeded = context.RawValue("b", 0)
+        self._writing = context.RawArray("b", loader.num_workers)  # NOTE [ Torn results ]
         self._epoch = epoch
         self._delivered = skip
         self._epoch_done = False
         started = time.perf_counter()
         super().__init__(loader)
         self.startup_s = time.perf_counter() - started
+        guard_reads(self._worker_result_queue, self._writing, self._workers)
         if self._supervised:  # from when every worker has been started (not before forking)
             self._starting = dict.fromkeys(range(loader.num_workers), time.monotonic())
         self._bind(loader)
@@ -303,7 +306,9 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
     @_worker_init_fn.setter
     def _worker_init_fn(self, user_fn: Callable[[int], None] | None) -> None:
         if not isinstance(user_fn, WorkerInit):
-            user_fn = WorkerInit(user_fn, self._parent_pid, self._stack_folder, self._reseeded)
+            user_fn = WorkerInit(
+                user_fn, self._parent_pid, self._stack_folder, self._reseeded, self._writing
+            )
             user_fn.forked_from_main_thread = _in_main_thread()
         self.__dict__["_fastloader_worker_init"] = user_fn
 
@@ -583,6 +588,7 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
         index_queue.cancel_join_thread()
         self._worker_init_fn.forked_from_main_thread = _in_main_thread()
         self._progress[slot] = NOT_STARTED
+        self._writing[slot] = 0  # the dead worker's lock was released: NOTE [ Torn results ]
         worker = self._process_factory.Process(
             target=_utils.worker._worker_loop,
             args=(

@@ -30,6 +30,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from fastloader._parent_death import die_with_parent
+from fastloader._result_queue import mark_writes
 from fastloader.seeding import SeededDataset, SeededIterableDataset
 
 STACK_SIGNAL = getattr(signal, "SIGUSR2", None)
@@ -68,17 +69,21 @@ class WorkerInit:
         parent_pid: int | None = None,
         stack_folder: str | None = None,
         reseeded: Any = None,
+        writing: Any = None,
     ) -> None:
         self.user_fn = user_fn
         self.parent_pid = parent_pid
         self.stack_folder = stack_folder
         self.reseeded = reseeded  # shared flag, set when user_fn changed the global RNGs
+        self.writing = writing  # shared flags: NOTE [ Torn results ] in _result_queue.py
         self.forked_from_main_thread = True
 
     def __call__(self, worker_id: int) -> None:
         if self.parent_pid is not None:
             die_with_parent(self.parent_pid, self.forked_from_main_thread)
         register_stack_dump(self.stack_folder, worker_id)
+        if self.writing is not None:
+            mark_writes(self.writing, worker_id)
         info = get_worker_info()
         if isinstance(info.dataset, SeededDataset):
             info.dataset.slot = worker_id
