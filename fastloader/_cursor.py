@@ -5,11 +5,11 @@ NOTE [ The epoch cursor ]
 One object, ``EpochCursor``, owns everything that says where a loader is: the epoch, whether
 it has started, where this iteration started in the epoch's order, the batches handed out
 since, whether the epoch ran to its end, where the next iteration starts (a resume target),
-and the seed. Everything else reads it or calls one of its transitions:
+and nothing else. Everything else reads it or calls one of its transitions:
 
 - ``jump_to(epoch)`` — ``loader.set_epoch``: the next iteration is ``epoch``, from its start;
-- ``resume_at(epoch, position, seed)`` — ``load_state_dict``: the next iteration is ``epoch``,
-  from ``position`` (in the unit of ``_resume.describe_order``);
+- ``resume_at(epoch, position)`` — ``load_state_dict``: the next iteration is ``epoch``, from
+  ``position`` (in the unit of ``_resume.describe_order``);
 - ``begin(requested)`` — ``iter(loader)``: move to the next epoch (or the user's
   ``sampler.set_epoch`` value, NOTE [ A user's set_epoch wins ] in samplers.py), take the
   resume target, and return (epoch, position) for the iterator;
@@ -17,22 +17,22 @@ and the seed. Everything else reads it or calls one of its transitions:
   error) and when the epoch runs out;
 - ``position(step, length)`` — ``state_dict``: where the next unseen sample is.
 
-The seed is held here once. The samplers that draw the order from it (fastloader's
-``EpochShuffleSampler`` and ``ElasticDistributedSampler``, torch's ``DistributedSampler``) get
-it from the cursor when it changes (``_seed_samplers`` in loader.py); worker processes get it
-when they start, and ``load_state_dict`` restarts them, so no other copy can go stale.
+The seed has one owner too: the loader's ``seed`` attribute (a plain attribute, as every
+argument of the constructor is, so that Lightning rebuilds the loader with it). Only
+``load_state_dict`` changes it, and hands the order's seed to the samplers that draw from one
+(``DataLoader._seed_samplers``) in the same call; an iterator takes the seed once, when its
+workers start, and ``load_state_dict`` restarts them.
 
-The loader's public ``epoch`` and ``seed`` attributes are properties over this object.
+The loader's public ``epoch`` attribute is a property over this object.
 """
 
 from __future__ import annotations
 
 
 class EpochCursor:
-    """Where a loader is: epoch, started/complete, position in the order, resume target, seed.
+    """Where a loader is: epoch, started/complete, position in the order, resume target.
 
     Attributes (read them; change them only through the methods):
-        seed: the seed of the order and of every sample's RNGs.
         epoch: the current epoch (the next one to run, until it has started).
         started: whether ``epoch`` has started (else it is the next one).
         complete: whether the current iteration ran to the end of ``epoch``.
@@ -41,10 +41,9 @@ class EpochCursor:
         target: where the next iteration starts, if it is ``epoch``.
     """
 
-    __slots__ = ("seed", "epoch", "started", "complete", "start", "consumed", "target")
+    __slots__ = ("epoch", "started", "complete", "start", "consumed", "target")
 
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
+    def __init__(self) -> None:
         self.epoch = 0
         self.started = False
         self.complete = False
@@ -58,9 +57,8 @@ class EpochCursor:
         self.started = False
         self.target = 0
 
-    def resume_at(self, epoch: int, position: int, seed: int) -> None:
-        """The next iteration is ``epoch`` from ``position``, with ``seed`` (a loaded state)."""
-        self.seed = seed
+    def resume_at(self, epoch: int, position: int) -> None:
+        """The next iteration is ``epoch`` from ``position`` (a loaded state)."""
         self.epoch = epoch
         self.started = False
         self.complete = False

@@ -180,7 +180,7 @@ def build_state(loader: Any) -> dict[str, Any]:
     order.update(sampler_seed=description["sampler_seed"], in_order=_delivered_in_order(loader))
     return {
         "fastloader_state_version": STATE_VERSION,
-        "seed": cursor.seed,
+        "seed": loader.seed,
         "epoch": cursor.epoch,
         "epoch_started": started,
         "epoch_complete": cursor.complete,

@@ -220,6 +220,52 @@ def judge_death(
     return DeathVerdict(resend, poisoned, broken)
 
 
+def warn_reseeded() -> None:
+    """Warn once that a user's worker_init_fn seeded the global RNGs (it cannot reach samples)."""
+    warnings.warn(
+        "fastloader: worker_init_fn changed the global random states (for example torch's "
+        "seed_worker recipe). fastloader seeds random, numpy.random and torch for every "
+        "sample from (seed, epoch, index), so what worker_init_fn seeds does not reach "
+        "dataset[i]; pass DataLoader(seed=...) to choose the seed instead.",
+        RuntimeWarning,
+        stacklevel=6,
+    )
+
+
+def stall_report(
+    timeout: float,
+    pids: list[int | None],
+    held: dict[int, list[int]],
+    progress: list[int] | None,
+    tasks: dict[int, Any],
+    stack_folder: str,
+) -> str:
+    """The error for ``timeout``, from the pool's state: asks busy workers for their stacks.
+
+    Args:
+        timeout: the DataLoader's timeout in seconds.
+        pids: each slot's worker process id.
+        held: slot -> numbers of the tasks it holds unfinished.
+        progress: each slot's current task number (or NOT_STARTED), if supervised.
+        tasks: task number -> the task sent.
+        stack_folder: where workers write their stacks (NOTE [ Worker stacks on timeout ]).
+    """
+    holdings = {}
+    for slot, pid in enumerate(pids):
+        numbers = held.get(slot, [])
+        current = progress[slot] if progress is not None else -1
+        holdings[slot] = (
+            pid,
+            [tasks.get(n, n) for n in numbers],
+            tasks.get(current) if current in numbers else None,
+        )
+    busy = [(slot, holding[0]) for slot, holding in holdings.items() if holding[1]]
+    not_started = {
+        slot for slot in holdings if progress is not None and progress[slot] == NOT_STARTED
+    }
+    return stall_message(timeout, holdings, dump_stacks(stack_folder, busy), not_started)
+
+
 def stall_message(
     timeout: float,
     holdings: dict[int, tuple[int | None, list[Any], Any]],

@@ -153,9 +153,10 @@ class DataLoader(TorchDataLoader[T_co]):
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
-        # where the loader is: epoch, position, resume target and seed (NOTE [ The epoch
-        # cursor ] in _cursor.py); `epoch` and `seed` are properties over it
-        self._cursor = EpochCursor(seed)
+        self.seed = seed
+        # where the loader is: epoch, position, resume target (NOTE [ The epoch cursor ] in
+        # _cursor.py); `epoch` is a property over it
+        self._cursor = EpochCursor()
         self.distributed = distributed
         self.device = device
         self.device_prefetch = device_prefetch
@@ -176,15 +177,6 @@ class DataLoader(TorchDataLoader[T_co]):
     @epoch.setter
     def epoch(self, epoch: int) -> None:
         self._cursor.epoch = epoch
-
-    @property
-    def seed(self) -> int:
-        """The seed of the order and of every sample's RNGs (held by the epoch cursor)."""
-        return self._cursor.seed
-
-    @seed.setter
-    def seed(self, seed: int) -> None:
-        self._cursor.seed = seed
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration epoch ``epoch``, from its start.
@@ -299,10 +291,11 @@ class DataLoader(TorchDataLoader[T_co]):
         saved_seed = state.get("order", {}).get("sampler_seed")
         if isinstance(saved_seed, bool) or not isinstance(saved_seed, int):
             saved_seed = None
+        self.seed = state["seed"]
         self._seed_samplers(state["seed"] if saved_seed is None else saved_seed, saved_seed)
         self.close()  # running workers hold the old seed
         self._take_epoch_request()  # the state is newer than any earlier sampler.set_epoch
-        self._cursor.resume_at(epoch, position, state["seed"])
+        self._cursor.resume_at(epoch, position)
 
     def _seed_samplers(self, order_seed: int, recorded_seed: int | None) -> None:
         """Give the samplers that draw the order from a seed the order's seed.

@@ -1,39 +1,9 @@
-"""Iterator subclasses of torch's: kept alive across epochs, cross-epoch prefetch, resume.
+"""``WorkerPoolIter``: worker processes kept across epochs, fed ahead, and supervised.
 
-Everything here runs in the main process, except what torch's worker loop runs with the
-objects built here (the seeded dataset wrappers and ``WorkerInit``).
-
-NOTE [ torch internals fastloader relies on ]
-
-Every touch of torch's private DataLoader machinery is in this module. Tested with torch
-2.13.0 and 2.14.1 (the range pinned in pyproject.toml). We subclass
-``_SingleProcessDataLoaderIter`` and ``_MultiProcessingDataLoaderIter`` (so ``iter(loader)``
-is torch's iterator, ``_BaseDataLoaderIter``) and rely on:
-
-- ``_BaseDataLoaderIter.__init__`` assigning ``self._dataset`` and the multiprocessing
-  iterator reading ``self._worker_init_fn`` before it starts workers: both are properties here,
-  so workers receive the seeded wrapper and fastloader's init function;
-- ``_BaseDataLoaderIter.__next__`` (profiler label, ``_num_yielded``), called around our
-  bookkeeping;
-- ``_next_index()`` being the only place indices are drawn (``_try_put_index`` treats its
-  StopIteration as "nothing to send now"), called just before a task is sent as
-  ``(self._send_idx, task)``;
-- ``_next_data()``, ``_reset(loader)``, ``_try_put_index()``, ``_process_data()``,
-  ``_get_data()``, ``_try_get_data()``, ``_shutdown_workers()`` and the state ``_send_idx``,
-  ``_rcvd_idx``, ``_task_info``, ``_tasks_outstanding``, ``_prefetch_factor``, ``_in_order``,
-  ``_workers``, ``_index_queues``, ``_worker_result_queue``, ``_workers_done_event``,
-  ``_workers_status``, ``_base_seed``, ``_shared_seed``, ``_worker_pids_set``, ``_shutdown``;
-- ``_utils.worker._worker_loop``'s argument list (replacement workers are started with it),
-  ``_utils.worker._ResumeIteration``, and ``_utils.signal_handling._remove_worker_pids``
-  (see NOTE [ Supervised workers ] in _supervision.py);
-- ``torch.utils.data._utils.worker.WorkerInfo`` being a plain object whose ``dataset`` we
-  point back at the user's dataset.
-
-The module is longer than our ~500-line habit because all of that has to live here; what does
-not touch torch internals lives in _supervision.py (main-process bookkeeping) and
-_worker_guard.py (what runs in workers).
-
-See NOTE [ Cross-epoch prefetch ] in _schedule.py for how tasks run ahead into the next epoch.
+Runs in the main process; the workers run torch's worker loop with the objects built here (the
+seeded dataset wrapper, ``WorkerInit``). See NOTE [ torch internals fastloader relies on ] in
+__init__.py, NOTE [ Cross-epoch prefetch ] in _schedule.py and NOTE [ Supervised workers ] in
+_supervision.py.
 """
 
 from __future__ import annotations
@@ -44,215 +14,44 @@ import shutil
 import tempfile
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils.data import (
-    BatchSampler,
-    DistributedSampler,
-    SequentialSampler,
     _utils,
 )
 from torch.utils.data.dataloader import (
-    _BaseDataLoaderIter,
     _DatasetKind,
     _MultiProcessingDataLoaderIter,
-    _SingleProcessDataLoaderIter,
 )
 
 from fastloader import _supervision
+from fastloader._iterators.common import (
+    LoaderIterMixin,
+    SeededDatasetMixin,
+    order_is_predictable,
+    schedule_for,
+)
 from fastloader._result_queue import guard_reads
-from fastloader._schedule import EpochSchedule
 from fastloader._supervision import (
     NOT_STARTED,
     POLL_S,
     DeathLedger,
     WorkersLostError,
-    dump_stacks,
     judge_death,
     release_orphaned_write_lock,
-    stall_message,
+    stall_report,
     warn_death,
     warn_never_started,
+    warn_reseeded,
 )
 from fastloader._worker_guard import WorkerInit
-from fastloader.samplers import (
-    EpochShuffleSampler,
-    samplers_with_set_epoch,
-    set_epoch_unrecorded,
-)
-from fastloader.seeding import RNGStateSwap, SeededDataset, SeededIterableDataset, Task
+from fastloader.seeding import Task
 
 
-def order_is_predictable(loader: Any) -> bool:
-    """Whether the index order of a future epoch can be drawn now without changing it."""
-    if loader._dataset_kind != _DatasetKind.Map or not loader.in_order:
-        return False
-    sampler = loader._index_sampler
-    if type(sampler) is BatchSampler:
-        sampler = sampler.sampler
-    if isinstance(sampler, (SequentialSampler, EpochShuffleSampler, DistributedSampler)):
-        return True
-    if isinstance(sampler, (list, tuple, range)):
-        return True
-    return callable(getattr(sampler, "set_epoch", None))
-
-
-def _schedule_for(loader: Any, may_cross: bool) -> EpochSchedule:
-    def set_epoch(epoch: int) -> None:
-        for sampler in samplers:
-            set_epoch_unrecorded(sampler, epoch)
-
-    samplers = samplers_with_set_epoch(loader)
-    batched = loader.batch_sampler is not None
-    return EpochSchedule(loader._index_sampler, set_epoch, may_cross, batched)
-
-
-class _SeededDatasetMixin:
-    """Swaps in the seeded dataset wrapper where torch's iterator stores the dataset."""
-
-    _cursor: Any  # the loader's EpochCursor (NOTE [ The epoch cursor ] in _cursor.py)
-    _shared_epoch: Any
-    _progress: Any = None
-
-    @property
-    def _dataset(self) -> Any:
-        return self.__dict__["_seeded_dataset"]
-
-    @_dataset.setter
-    def _dataset(self, dataset: Any) -> None:
-        if isinstance(dataset, (SeededDataset, SeededIterableDataset)):
-            wrapped = dataset
-        elif self._schedule is None:
-            wrapped = SeededIterableDataset(dataset, self._cursor.seed, self._shared_epoch)
-        else:
-            wrapped = SeededDataset(dataset, self._cursor.seed, self._progress)
-        self.__dict__["_seeded_dataset"] = wrapped
-
-    def _next_index(self) -> Any:
-        if self._schedule is None:
-            return super()._next_index()
-        return self._schedule.next_task()
-
-
-class _LoaderIterMixin:
-    """Makes torch's iterator what ``iter(loader)`` returns, adding the loader's bookkeeping.
-
-    ``__next__`` is torch's (profiler label, ``_num_yielded``, the IterableDataset length
-    warning) plus loading-time stats, the epoch cursor's count of consumed batches (a batch
-    whose loading raised counts too, as it does toward the end of the epoch) and, with
-    ``device``, the copy to the device ahead of use. The loader is held weakly: dropping the
-    loader or this iterator stops the workers as with torch.
-    """
-
-    _delivered: int  # batches of this epoch handed on (or raised), counted by each iterator
-    _interrupted = False
-
-    def _bind(self, loader: Any) -> None:
-        self._loader_ref = weakref.ref(loader)
-        self._cursor = loader._cursor
-        self._stats = loader.stats
-        self._device_batches = None
-        if loader._resolved_device is not None:
-            from fastloader.device import DevicePrefetcher
-
-            # source failures torch counted as a delivered batch, raised later in their place
-            self._counted_failures: list[BaseException] = []
-            prefetcher = DevicePrefetcher(
-                _TorchNext(self),
-                loader._resolved_device,
-                depth=loader.device_prefetch,
-                transform=loader.device_transform,
-            )
-            self._device_batches = iter(prefetcher)
-
-    def __next__(self) -> Any:
-        started = time.perf_counter()
-        delivered = self._delivered
-        try:
-            if self._device_batches is None:
-                batch = _BaseDataLoaderIter.__next__(self)
-            else:
-                batch = next(self._device_batches)
-        except StopIteration:
-            self._cursor.finished()
-            self._stats.end_epoch()
-            raise
-        except KeyboardInterrupt:
-            self._interrupted = True
-            raise
-        except Exception as error:
-            if self._device_batches is None:
-                counted = self._delivered != delivered
-            else:  # the prefetcher raises a failure after the batches pulled before it
-                counted = _take(self._counted_failures, error)
-            if counted:
-                self._cursor.consumed_batch()
-            raise
-        now = time.perf_counter()
-        self._stats.record_batch(now - started, batch, now)
-        self._cursor.consumed_batch()
-        return batch
-
-
-class _TorchNext:
-    """torch's ``__next__`` of an iterator, as an iterable for the device prefetcher."""
-
-    def __init__(self, iterator: Any) -> None:
-        self._iterator = weakref.proxy(iterator)
-
-    def __iter__(self) -> _TorchNext:
-        return self
-
-    def __next__(self) -> Any:
-        iterator = self._iterator
-        delivered = iterator._delivered
-        try:
-            return _BaseDataLoaderIter.__next__(iterator)
-        except Exception as error:
-            if iterator._delivered != delivered:  # a batch whose loading raised
-                iterator._counted_failures.append(error)
-            raise
-
-
-def _take(failures: list[BaseException], error: BaseException) -> bool:
-    """Remove ``error`` from ``failures`` (by identity); whether it was there."""
-    for i, failure in enumerate(failures):
-        if failure is error:
-            del failures[i]
-            return True
-    return False
-
-
-class SingleProcessIter(_SeededDatasetMixin, _LoaderIterMixin, _SingleProcessDataLoaderIter):
-    """One epoch loaded in the main process, without disturbing the training loop's RNGs."""
-
-    def __init__(self, loader: Any, epoch: int, skip: int = 0) -> None:
-        self._cursor = loader._cursor
-        self._shared_epoch = multiprocessing.RawValue("q", epoch)
-        self._schedule = None
-        if loader._dataset_kind == _DatasetKind.Map:
-            self._schedule = _schedule_for(loader, may_cross=False)
-            self._schedule.start(epoch, skip)
-        self._rng_swap = RNGStateSwap()
-        self._delivered = 0
-        super().__init__(loader)
-        self._bind(loader)
-
-    def _next_index(self) -> Any:
-        index = super()._next_index()
-        self._delivered += 1
-        return index
-
-    def _next_data(self) -> Any:
-        with self._rng_swap:
-            return super()._next_data()
-
-
-class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingDataLoaderIter):
+class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLoaderIter):
     """Worker processes that serve epoch after epoch, supervised.
 
     See NOTE [ Cross-epoch prefetch ] and NOTE [ Supervised workers ] (_supervision.py).
@@ -261,13 +60,14 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
     supervise = True  # False turns supervision off (benchmarks/supervision.py measures it)
 
     def __init__(self, loader: Any, epoch: int, skip: int = 0) -> None:
+        self._seed = loader.seed
         self._cursor = loader._cursor
         context = loader.multiprocessing_context or multiprocessing.get_context()
         self._shared_epoch = context.RawValue("q", epoch)
         self._schedule = None
         if loader._dataset_kind == _DatasetKind.Map:
             may_cross = loader.persistent_workers and order_is_predictable(loader)
-            self._schedule = _schedule_for(loader, may_cross)
+            self._schedule = schedule_for(loader, may_cross)
             self._schedule.start(epoch, skip)
         self._supervised = WorkerPoolIter.supervise and self._schedule is not None
         self._starting: dict[int, float] = {}  # slot -> when started (NOTE [ Worker start-up ])
@@ -430,14 +230,7 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
         loader = self._loader_ref()
         if loader is not None:
             loader._warned.add("reseeded")
-        warnings.warn(
-            "fastloader: worker_init_fn changed the global random states (for example torch's "
-            "seed_worker recipe). fastloader seeds random, numpy.random and torch for every "
-            "sample from (seed, epoch, index), so what worker_init_fn seeds does not reach "
-            "dataset[i]; pass DataLoader(seed=...) to choose the seed instead.",
-            RuntimeWarning,
-            stacklevel=5,
-        )
+        warn_reseeded()
 
     def _get_data(self) -> Any:
         while True:
@@ -619,27 +412,15 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
         self._workers_status[slot] = True
 
     def _stall_report(self) -> str:
-        holdings = {}
-        unfinished: dict[int, list[int]] = {}
+        held: dict[int, list[int]] = {}
         for number, info in sorted(self._task_info.items()):
             if len(info) == 1:
-                unfinished.setdefault(info[0], []).append(number)
-        for slot, worker in enumerate(self._workers):
-            numbers = unfinished.get(slot, [])
-            current = self._progress[slot] if self._progress is not None else -1
-            holdings[slot] = (
-                worker.pid,
-                [self._sent_tasks.get(n, n) for n in numbers],
-                self._sent_tasks.get(current) if current in numbers else None,
-            )
-        busy = [(slot, holdings[slot][0]) for slot, held in holdings.items() if held[1]]
-        not_started = {
-            slot
-            for slot in holdings
-            if self._progress is not None and self._progress[slot] == NOT_STARTED
-        }
-        stacks = dump_stacks(self._stack_folder, busy)
-        return stall_message(self._timeout, holdings, stacks, not_started)
+                held.setdefault(info[0], []).append(number)
+        pids = [worker.pid for worker in self._workers]
+        progress = list(self._progress) if self._progress is not None else None
+        return stall_report(
+            self._timeout, pids, held, progress, self._sent_tasks, self._stack_folder
+        )
 
 
 def _in_main_thread() -> bool:

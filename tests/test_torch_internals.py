@@ -1,0 +1,42 @@
+"""A torch upgrade that moves an internal fastloader relies on fails here, naming it.
+
+See NOTE [ torch internals fastloader relies on ] in fastloader/_iterators/__init__.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastloader import DataLoader
+from fastloader._iterators import torch_internals
+from fastloader._iterators.worker_pool import WorkerPoolIter
+
+
+def test_every_torch_internal_we_call_is_there_with_the_arguments_we_pass():
+    assert torch_internals.missing() == [], (
+        f"torch {torch.__version__} moved internals fastloader relies on"
+    )
+
+
+def test_a_moved_internal_is_named(monkeypatch):
+    from torch.utils.data._utils import worker
+
+    def renamed_loop(dataset_kind, dataset):  # a torch that changed the worker loop
+        pass
+
+    monkeypatch.setattr(worker, "_worker_loop", renamed_loop)
+    monkeypatch.delattr(worker, "_ResumeIteration")
+    problems = torch_internals.missing()
+    assert any("_worker_loop takes ('dataset_kind', 'dataset')" in p for p in problems)
+    assert any("_ResumeIteration is gone" in p for p in problems)
+
+
+def test_a_live_worker_pool_has_the_state_we_read():
+    loader = DataLoader(list(range(8)), batch_size=2, num_workers=1)
+    try:
+        iterator = iter(loader)
+        assert isinstance(iterator, WorkerPoolIter)
+        assert torch_internals.missing_state(iterator) == []
+        assert [batch.tolist() for batch in iterator] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    finally:
+        loader.close()
