@@ -76,7 +76,30 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from fastloader.transforms import Normalize
 
 
+# Public submodules, reachable as attributes after `import fastloader` (imported on first use).
+_SUBMODULES = frozenset(
+    {
+        "cli",
+        "datasets",
+        "decoding",
+        "device",
+        "distributed",
+        "folder",
+        "formats",
+        "images",
+        "lightning",
+        "loader",
+        "samplers",
+        "seeding",
+        "stats",
+        "transforms",
+    }
+)
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"fastloader.{name}")  # sets the attribute itself
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'fastloader' has no attribute {name!r}")
@@ -86,7 +109,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(set(globals()) | set(_EXPORTS) | _SUBMODULES)
 
 
 class _Package(types.ModuleType):
