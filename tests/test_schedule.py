@@ -57,11 +57,13 @@ def test_tasks_run_on_into_the_next_epoch_with_its_own_order():
     assert schedule.lengths[0] == 3  # known as soon as epoch 0's last task was sent
 
 
-def test_the_length_of_an_epoch_is_known_one_task_ahead():
+def test_the_length_of_an_epoch_is_known_when_its_last_task_is_sent():
     schedule, _ = _schedule()
     schedule.start(0)
     _drain(schedule, 2)
-    assert schedule.lengths[0] == 3  # the third task is pending, and it is the last
+    assert 0 not in schedule.lengths
+    _drain(schedule, 1)
+    assert schedule.lengths == {0: 3}  # before any task of epoch 1 was asked for
 
 
 def test_without_crossing_the_schedule_stops_at_the_end_of_the_epoch():
