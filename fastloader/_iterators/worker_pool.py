@@ -242,19 +242,22 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
                     raise RuntimeError(self._stall_report())
             else:  # torch's wait (pin-memory thread check included)
                 item = super()._get_data()
-            idx, data = item
-            if type(idx) is int:
-                info = self._task_info.get(idx)
-                if info is None or len(info) != 1:
-                    continue  # delivered already, by a worker that died after sending it
-                if self._sent_tasks:
-                    self._sent_tasks.pop(idx, None)
-                if self._replaced:
-                    self._ledger.progressed(info[0])
-                return idx, data
-            if not self._resetting and isinstance(idx, _utils.worker._ResumeIteration):
-                continue  # an extra acknowledgement from a worker replaced during a reset
-            return idx, data
+            if self._is_expected(item[0]):
+                return item
+
+    def _is_expected(self, idx: Any) -> bool:
+        """Whether a result is one torch waits for (not a duplicate after a replacement)."""
+        if type(idx) is int:
+            info = self._task_info.get(idx)
+            if info is None or len(info) != 1:
+                return False  # delivered already, by a worker that died after sending it
+            if self._sent_tasks:
+                self._sent_tasks.pop(idx, None)
+            if self._replaced:
+                self._ledger.progressed(info[0])
+            return True
+        # an extra acknowledgement from a worker replaced during a reset is dropped
+        return self._resetting or not isinstance(idx, _utils.worker._ResumeIteration)
 
     def _try_get_data(self, timeout: float = _utils.MP_STATUS_CHECK_INTERVAL) -> Any:
         if not self._supervised:
