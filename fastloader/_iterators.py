@@ -221,6 +221,7 @@ class _SeededDatasetMixin:
     """Swaps in the seeded dataset wrapper where torch's iterator stores the dataset."""
 
     _seed: int
+    _seed_rngs = "auto"  # the loader's seed_rngs (NOTE [ Lazy seeding ] in seeding.py)
     _shared_epoch: Any
     _progress: Any = None
 
@@ -233,9 +234,11 @@ class _SeededDatasetMixin:
         if isinstance(dataset, (SeededDataset, SeededIterableDataset)):
             wrapped = dataset
         elif self._schedule is None:
-            wrapped = SeededIterableDataset(dataset, self._seed, self._shared_epoch)
+            wrapped = SeededIterableDataset(
+                dataset, self._seed, self._shared_epoch, self._seed_rngs
+            )
         else:
-            wrapped = SeededDataset(dataset, self._seed, self._progress)
+            wrapped = SeededDataset(dataset, self._seed, self._progress, self._seed_rngs)
         self.__dict__["_seeded_dataset"] = wrapped
 
     def _next_index(self) -> Any:
@@ -343,12 +346,13 @@ class SingleProcessIter(_SeededDatasetMixin, _LoaderIterMixin, _SingleProcessDat
 
     def __init__(self, loader: Any, epoch: int, skip: int = 0) -> None:
         self._seed = loader.seed
+        self._seed_rngs = loader.seed_rngs
         self._shared_epoch = multiprocessing.RawValue("q", epoch)
         self._schedule = None
         if loader._dataset_kind == _DatasetKind.Map:
             self._schedule = _schedule_for(loader, may_cross=False)
             self._schedule.start(epoch, skip)
-        self._rng_swap = RNGStateSwap()
+        self._rng_swap = RNGStateSwap(self._schedule is None, loader.seed_rngs != "never")
         self._delivered = 0
         super().__init__(loader)
         self._bind(loader)
@@ -373,6 +377,7 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
 
     def __init__(self, loader: Any, epoch: int, skip: int = 0) -> None:
         self._seed = loader.seed
+        self._seed_rngs = loader.seed_rngs
         context = loader.multiprocessing_context or multiprocessing.get_context()
         self._shared_epoch = context.RawValue("q", epoch)
         self._schedule = None
