@@ -222,6 +222,7 @@ class _SeededDatasetMixin:
 
     _seed: int
     _seed_rngs = "auto"  # the loader's seed_rngs (NOTE [ Lazy seeding ] in seeding.py)
+    busy_seconds: Any = None  # per worker, seconds loading (NOTE [ The diagnosis ], stats.py)
     _shared_epoch: Any
     _progress: Any = None
 
@@ -238,7 +239,9 @@ class _SeededDatasetMixin:
                 dataset, self._seed, self._shared_epoch, self._seed_rngs
             )
         else:
-            wrapped = SeededDataset(dataset, self._seed, self._progress, self._seed_rngs)
+            wrapped = SeededDataset(
+                dataset, self._seed, self._progress, self._seed_rngs, self.busy_seconds
+            )
         self.__dict__["_seeded_dataset"] = wrapped
 
     def _next_index(self) -> Any:
@@ -259,6 +262,7 @@ class _LoaderIterMixin:
 
     _delivered: int  # batches of this epoch handed on (or raised), counted by each iterator
     _interrupted = False
+    _source_s = 0.0  # seconds in _TorchNext during the current next() (device copies only)
 
     def _bind(self, loader: Any) -> None:
         self._loader_ref = weakref.ref(loader)
@@ -284,12 +288,13 @@ class _LoaderIterMixin:
             if self._device_batches is None:
                 batch = _BaseDataLoaderIter.__next__(self)
             else:
+                self._source_s = 0.0  # time in _TorchNext: waiting for loading, not the copy
                 batch = next(self._device_batches)
         except StopIteration:
             loader = self._loader_ref()
             if loader is not None:
                 loader._epoch_complete = True
-            self._stats.end_epoch()
+            self._stats.end_epoch(time.perf_counter() - started)
             raise
         except KeyboardInterrupt:
             self._interrupted = True
@@ -304,7 +309,8 @@ class _LoaderIterMixin:
                 loader.__dict__["_consumed"] += 1
             raise
         now = time.perf_counter()
-        self._stats.record_batch(now - started, batch, now)
+        device_s = 0.0 if self._device_batches is None else now - started - self._source_s
+        self._stats.record_batch(now - started, batch, now, max(0.0, device_s))
         loader = self._loader_ref()
         if loader is not None:
             # not `loader._consumed += 1`: torch's DataLoader.__setattr__ is a Python call
@@ -324,12 +330,15 @@ class _TorchNext:
     def __next__(self) -> Any:
         iterator = self._iterator
         delivered = iterator._delivered
+        started = time.perf_counter()
         try:
             return _BaseDataLoaderIter.__next__(iterator)
         except Exception as error:
             if iterator._delivered != delivered:  # a batch whose loading raised
                 iterator._counted_failures.append(error)
             raise
+        finally:
+            iterator._source_s += time.perf_counter() - started
 
 
 def _take(failures: list[BaseException], error: BaseException) -> bool:
@@ -390,6 +399,8 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
         self._forks = context.get_start_method() == "fork"
         if self._supervised:
             self._progress = context.RawArray("q", [NOT_STARTED] * loader.num_workers)
+        if self._schedule is not None:
+            self.busy_seconds = context.RawArray("d", loader.num_workers)
         self._process_factory = loader.multiprocessing_context or torch.multiprocessing
         self._ledger = DeathLedger()
         self._sent_tasks: dict[int, Task] = {}

@@ -22,7 +22,7 @@ from fastloader.samplers import (
     samplers_with_set_epoch,
 )
 from fastloader.seeding import resolve_seed, resolve_seed_rngs
-from fastloader.stats import LoaderStats
+from fastloader.stats import LoaderStats, epoch_length
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -236,6 +236,8 @@ class DataLoader(TorchDataLoader[T_co]):
         with torch.random.fork_rng(devices=[]):
             source = self._epoch_source(epoch, skip)
         self._iterator = source
+        self.stats.watch_workers(self.num_workers, getattr(source, "busy_seconds", None))
+        self.stats.iter_done(epoch_length(self, skip))  # time in iter() is a wait for data
         return source
 
     def _epoch_source(self, epoch: int, skip: int) -> Iterator[Any]:

@@ -69,6 +69,7 @@ from __future__ import annotations
 import hashlib
 import operator
 import zlib
+from time import perf_counter
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -233,11 +234,18 @@ class SeededDataset:
     """
 
     def __init__(
-        self, dataset: Any, seed: int, progress: Any = None, seed_rngs: str = "auto"
+        self,
+        dataset: Any,
+        seed: int,
+        progress: Any = None,
+        seed_rngs: str = "auto",
+        busy: Any = None,
     ) -> None:
         self.dataset = dataset
         self.seed = seed
         self.progress = progress  # shared array: slot -> number of the task being loaded
+        # shared array: slot -> seconds spent loading (NOTE [ The diagnosis ] in stats.py)
+        self.busy = busy
         self.slot = 0  # set in each worker by _WorkerInit
         self.seed_rngs = resolve_seed_rngs(seed_rngs)
         # Per RNG (SEEDERS order): seeded before every sample once seen drawing in this process.
@@ -257,13 +265,26 @@ class SeededDataset:
     def __getitem__(self, task: Task) -> Any:
         if self.progress is not None:
             self.progress[self.slot] = task.number
-        if self.seed_rngs != "never":  # a batch of one: its only sample is fully seeded
-            seed_rngs(sample_seed(self.seed, task.epoch, task.indices))
-        return self._get(task.indices, task.epoch)
+        started = perf_counter()
+        try:
+            if self.seed_rngs != "never":  # a batch of one: its only sample is fully seeded
+                seed_rngs(sample_seed(self.seed, task.epoch, task.indices))
+            return self._get(task.indices, task.epoch)
+        finally:
+            if self.busy is not None:
+                self.busy[self.slot] += perf_counter() - started
 
     def __getitems__(self, task: Task) -> list:
         if self.progress is not None:
             self.progress[self.slot] = task.number
+        started = perf_counter()
+        try:
+            return self._load_task(task)
+        finally:
+            if self.busy is not None:
+                self.busy[self.slot] += perf_counter() - started
+
+    def _load_task(self, task: Task) -> list:
         indices = list(task.indices)
         epoch = task.epoch
         if self._seeds_each_in_batch:
