@@ -330,8 +330,10 @@ class SeededDataset:
         # See NOTE [ Lazy seeding ]: the first sample is seeded fully; the others only in the
         # RNGs seen drawing. If an unseeded RNG was drawn from, the samples after the first
         # are loaded again, seeding it too.
-        lazy = [rng for rng, eager in enumerate(self.eager) if not eager]
         seed_rngs(self._sample_seed(epoch, indices[0]))
+        if len(indices) == 1:  # a batch of one: its only sample is fully seeded
+            return [self._get(indices[0], epoch)]
+        lazy = [rng for rng, eager in enumerate(self.eager) if not eager]
         before = [FINGERPRINTS[rng]() for rng in lazy]
         samples = [self._get(indices[0], epoch)]
         rest = indices[1:]
