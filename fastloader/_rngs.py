@@ -49,6 +49,11 @@ def seed_torch(seed: int) -> None:
 
 #: The global RNGs in a fixed order: python's ``random``, numpy's legacy global, torch's CPU.
 SEEDERS: tuple[Callable[[int], None], ...] = (seed_python, seed_numpy, seed_torch)
+#: seeder -> (the call it makes, the mask it applies): the same seeding, one call less a sample.
+DIRECT_SEEDERS: dict[Callable[[int], None], tuple[Callable[[int], Any], int]] = {
+    seed_numpy: (_seed_numpy_legacy, 0xFFFFFFFF),
+    seed_torch: (_seed_torch, _MASK63),
+}
 NAMES = ("random", "numpy.random", "torch")
 
 

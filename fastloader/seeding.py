@@ -76,7 +76,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from fastloader._rngs import FINGERPRINTS, SEEDERS, StateKeeper
+from fastloader._rngs import DIRECT_SEEDERS, FINGERPRINTS, SEEDERS, StateKeeper
 from fastloader._rngs import seed_numpy as _seed_numpy
 from fastloader._rngs import seed_python as _seed_python
 from fastloader._rngs import seed_torch as _seed_torch
@@ -345,7 +345,13 @@ class SeededDataset:
         append = samples.append
         getitem = self.dataset.__getitem__
         try:
-            if seeders:
+            if len(seeders) == 1 and seeders[0] in DIRECT_SEEDERS:  # the common case, inlined
+                seeder, mask = DIRECT_SEEDERS[seeders[0]]
+                seeds = [seed & mask for seed in batch_seeds(self.seed, epoch, rest)]
+                for index, sample_seed_ in zip(rest, seeds, strict=True):
+                    seeder(sample_seed_)
+                    append(getitem(index))
+            elif seeders:
                 for index, sample_seed_ in zip(
                     rest, batch_seeds(self.seed, epoch, rest), strict=True
                 ):
