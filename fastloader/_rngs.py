@@ -143,6 +143,60 @@ FINGERPRINTS: tuple[Callable[[], Any], ...] = (
 )
 
 
+#: Functions that read an RNG's state without drawing from it, by (module, name, RNG index in
+#: SEEDERS order); ``torch.random.fork_rng`` reads through ``torch.get_rng_state``.
+_STATE_READERS = (
+    (random, "getstate", 0),
+    (np.random, "get_state", 1),
+    (torch, "initial_seed", 2),
+    (torch.random, "initial_seed", 2),
+    (torch, "get_rng_state", 2),
+    (torch.random, "get_rng_state", 2),
+)
+
+
+class StateReads:
+    """While entered, records which RNGs had their state read through ``_STATE_READERS``.
+
+    A fingerprint sees draws, not reads: NOTE [ Lazy seeding ] in seeding.py. The module
+    functions are swapped for recording wrappers only while a batch loads, and put back after.
+    """
+
+    def __init__(self) -> None:
+        self.read = [False] * len(SEEDERS)
+        self._originals = [getattr(module, name) for module, name, _ in _STATE_READERS]
+        self._wrappers = [
+            self._recording(original, rng)
+            for original, (_, _, rng) in zip(self._originals, _STATE_READERS, strict=True)
+        ]
+
+    def _recording(self, original: Callable, rng: int) -> Callable:
+        read = self.read
+
+        def reader(*args: Any, **kwargs: Any) -> Any:
+            read[rng] = True
+            return original(*args, **kwargs)
+
+        reader.__wrapped__ = original  # type: ignore[attr-defined]
+        return reader
+
+    def __enter__(self) -> StateReads:
+        read, originals, wrappers = self.read, self._originals, self._wrappers
+        for index in range(len(read)):
+            read[index] = False
+        for index, (module, name, rng) in enumerate(_STATE_READERS):
+            current = getattr(module, name)
+            if current is not originals[index]:  # patched by someone since: wrap theirs
+                originals[index] = current
+                wrappers[index] = self._recording(current, rng)
+            setattr(module, name, wrappers[index])
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for (module, name, _), original in zip(_STATE_READERS, self._originals, strict=True):
+            setattr(module, name, original)
+
+
 class StateKeeper:
     """Saves and restores the full states of the three RNGs, numpy's cheaply when it can.
 

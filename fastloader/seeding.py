@@ -49,12 +49,18 @@ dataset has been seen drawing from it in this process:
 
 A fingerprint moves on every draw (the Mersenne Twister's position or words change, and a
 Gaussian draws since none is cached), on reseeding and on ``set_state``. It cannot see a state
-*read* without a draw: ``torch.initial_seed()``, ``get_state()`` used as data, or a draw inside
-a save/restore such as ``torch.random.fork_rng()``, which puts the state back. A dataset that
-reads an RNG that way, in samples where nothing else draws from that RNG, sees the batch's first
-seed instead of its own: it needs ``seed_rngs="always"`` (the previous behaviour: all three
-seeded before every sample). ``seed_rngs="never"`` leaves the RNGs as torch leaves them, for
-datasets without randomness or with generators of their own (``np.random.default_rng(...)``).
+*read* without a net draw: ``torch.initial_seed()``, ``get_state()`` used as data, or a draw
+inside a save/restore such as ``torch.random.fork_rng()``, which puts the state back. So while
+those samples load, the module functions that read states (``random.getstate``,
+``numpy.random.get_state``, ``torch.initial_seed``, ``torch.get_rng_state``, also through
+``torch.random``; ``fork_rng`` calls ``torch.get_rng_state``) are swapped for wrappers that
+record the read (``_rngs.StateReads``), and a read counts as a draw. What still escapes: a
+reference bound before loading (``from torch import initial_seed`` at import) or a generator's
+own methods (``torch.default_generator.initial_seed()``). A dataset reading an RNG that way, in
+samples where nothing else draws from it, sees the batch's first seed instead of its own: it
+needs ``seed_rngs="always"`` (all three seeded before every sample, as before "auto").
+``seed_rngs="never"`` leaves the RNGs as torch leaves them, for datasets without randomness or
+with generators of their own (``np.random.default_rng(...)``).
 
 Datasets with ``__getitems__`` are seeded once per batch and packed datasets
 (``getitems_with``) eagerly: both cost far more per sample than seeding. Cost of "auto" for a
@@ -76,7 +82,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from fastloader._rngs import DIRECT_SEEDERS, FINGERPRINTS, SEEDERS, StateKeeper
+from fastloader._rngs import DIRECT_SEEDERS, FINGERPRINTS, SEEDERS, StateKeeper, StateReads
 from fastloader._rngs import seed_numpy as _seed_numpy
 from fastloader._rngs import seed_python as _seed_python
 from fastloader._rngs import seed_torch as _seed_torch
@@ -252,6 +258,7 @@ class SeededDataset:
         self.eager = [self.seed_rngs == "always"] * len(SEEDERS)
         self._probed = False  # whether a batch has been loaded lazily in this process
         self._epoch_key = (-1, 0)  # (epoch, _epoch_key(seed, epoch)) of the last batch
+        self._reads_: StateReads | None = None  # made where it is used (it holds functions)
         self._batched = callable(getattr(dataset, "__getitems__", None))
         self._seeds_each_in_batch = callable(getattr(dataset, "getitems_with", None))
 
@@ -277,12 +284,13 @@ class SeededDataset:
     def __getitems__(self, task: Task) -> list:
         if self.progress is not None:
             self.progress[self.slot] = task.number
+        if self.busy is None:  # the main process: nobody reads a busy time
+            return self._load_task(task)
         started = perf_counter()
         try:
             return self._load_task(task)
         finally:
-            if self.busy is not None:
-                self.busy[self.slot] += perf_counter() - started
+            self.busy[self.slot] += perf_counter() - started
 
     def _load_task(self, task: Task) -> list:
         indices = list(task.indices)
@@ -321,6 +329,15 @@ class SeededDataset:
             raise
         return samples
 
+    @property
+    def _reads(self) -> StateReads:
+        if self._reads_ is None:
+            self._reads_ = StateReads()
+        return self._reads_
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_reads_": None}  # (spawned workers) made again there
+
     def _sample_seed(self, epoch: int, index: Any) -> int:
         if self._epoch_key[0] != epoch:
             self._epoch_key = (epoch, _epoch_key(self.seed, epoch))
@@ -344,7 +361,9 @@ class SeededDataset:
         seeders = [seeder for seeder, eager in zip(SEEDERS, self.eager, strict=True) if eager]
         append = samples.append
         getitem = self.dataset.__getitem__
+        reads = self._reads
         try:
+            reads.__enter__()
             if len(seeders) == 1 and seeders[0] in DIRECT_SEEDERS:  # the common case, inlined
                 seeder, mask = DIRECT_SEEDERS[seeders[0]]
                 seeds = [seed & mask for seed in batch_seeds(self.seed, epoch, rest)]
@@ -361,11 +380,16 @@ class SeededDataset:
             else:
                 samples.extend(map(getitem, rest))  # appends one by one: len tells who raised
         except Exception as error:
-            if self._drew(lazy, before):  # the error may come from an unseeded draw
+            reads.__exit__()
+            if self._drew(lazy, before, reads.read):  # the error may come from an unseeded draw
                 return samples[:1] + self._load_each(rest, epoch)
             _annotate(error, indices[len(samples)], epoch)
             raise
-        if self._drew(lazy, before):
+        except BaseException:
+            reads.__exit__()
+            raise
+        reads.__exit__()
+        if self._drew(lazy, before, reads.read):
             return samples[:1] + self._load_each(rest, epoch)
         if rest:  # what collate_fn sees, as if each RNG had been seeded before each sample
             last_seed = self._sample_seed(epoch, indices[-1])
@@ -373,11 +397,12 @@ class SeededDataset:
                 SEEDERS[rng](last_seed)
         return samples
 
-    def _drew(self, lazy: list[int], before: list) -> bool:
-        """Mark the RNGs of ``lazy`` whose state moved since ``before`` as eager; any moved?"""
+    def _drew(self, lazy: list[int], before: list, read: list[bool] | None = None) -> bool:
+        """Mark the RNGs of ``lazy`` whose state moved since ``before`` (or was ``read``) as
+        eager; were there any?"""
         moved = False
         for rng, fingerprint in zip(lazy, before, strict=True):
-            if FINGERPRINTS[rng]() != fingerprint:
+            if (read is not None and read[rng]) or FINGERPRINTS[rng]() != fingerprint:
                 self.eager[rng] = True
                 moved = True
         return moved

@@ -218,3 +218,24 @@ def test_python_rng_state_is_read_in_place_on_cpython():
     random.seed(4)
     _rngs._python_restore(saved)
     assert random.random() == expected
+
+
+class ReadsStates(SometimesDraws):
+    """Reads torch's state without a net draw: initial_seed(), and a draw inside fork_rng."""
+
+    def __getitem__(self, i):
+        self.calls += 1
+        with torch.random.fork_rng(devices=[]):
+            restored = float(torch.rand(1))
+        return torch.tensor([float(i), float(torch.initial_seed() % 2**40), restored])
+
+
+def test_reading_a_state_without_drawing_is_seen_too():
+    expected = _epochs(ReadsStates(20, "torch"), "always")
+    assert _same(_epochs(ReadsStates(20, "torch"), "auto"), expected)
+    assert _same(_epochs(ReadsStates(20, "torch"), "auto", num_workers=2), expected)
+    # the recording wrappers are installed only while a batch loads
+    assert torch.initial_seed.__module__ == "torch.random" and not hasattr(
+        torch.initial_seed, "__wrapped__"
+    )
+    assert not hasattr(torch.get_rng_state, "__wrapped__")
