@@ -15,7 +15,9 @@ rows, ratios and notes (see ``report.py`` for the shape):
 - ``cli_startup``: how fast ``fastloader-pack`` answers (``--help``, ``--info``, a usage
   error) and how much of a small pack's wall time is not packing;
 - ``supervision``: time from a worker's death to the next batch, throughput with and without
-  worker supervision.
+  worker supervision;
+- ``cheap``: samples that cost microseconds (an index, CIFAR-like tensors, token windows from a
+  memmap) and the loaders' own cost per batch, with 0 and 2 workers.
 
 The data is made at run time from the photos scikit-image ships (``_photos.py``).
 """
@@ -30,5 +32,6 @@ COMPARISONS = (
     "distributed",
     "cli_startup",
     "supervision",
+    "cheap",
 )
 SIZES = ("tiny", "quick", "full")

@@ -1,4 +1,5 @@
-"""Lightning helpers: a DataModule over packed files (imports ``lightning`` when imported).
+"""Lightning helpers: a DataModule over packed files, and a callback that logs how long
+training waited for data (imports ``lightning`` when imported).
 
 Example::
 
@@ -27,6 +28,7 @@ import lightning.pytorch as pl
 from fastloader.datasets import PackedDataset, open_pack
 from fastloader.formats import read_metadata
 from fastloader.loader import DataLoader
+from fastloader.stats import EpochStats
 
 PathLike = str | os.PathLike
 
@@ -126,3 +128,70 @@ class PackedDataModule(pl.LightningDataModule):
         for loader in self._loaders.values():
             loader.close()
         self._loaders.clear()
+
+
+class LoaderStatsMonitor(pl.Callback):
+    """Logs, after each training epoch, how long training waited for data.
+
+    For every ``fastloader.DataLoader`` among the trainer's training loaders it logs, through
+    ``LightningModule.log`` (so to every logger of the trainer), ``{prefix}wait_fraction`` (0-1:
+    the share of the epoch spent blocked on data, ``iter()`` and the epoch's first batch
+    included), ``{prefix}samples_per_s`` and, when the workers report it,
+    ``{prefix}worker_busy`` (0-1). With several training loaders the name of each (its key or
+    position) follows the prefix. Other loaders are skipped. See docs/diagnosis.md.
+
+    Example::
+
+        trainer = lightning.Trainer(callbacks=[LoaderStatsMonitor(verbose=True)])
+
+    Args:
+        prefix: prepended to each metric name.
+        verbose: also print each epoch's one-line diagnosis (``LoaderStats.summary``) on rank 0.
+    """
+
+    def __init__(self, prefix: str = "data/", verbose: bool = False) -> None:
+        super().__init__()
+        self.prefix = prefix
+        self.verbose = verbose
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        loaders = _named_loaders(trainer.train_dataloader)
+        metrics: dict[str, float] = {}
+        for name, loader in loaders:
+            epoch = _epoch_of(loader)
+            if epoch is None:
+                continue
+            key = self.prefix + (f"{name}/" if len(loaders) > 1 else "")
+            metrics[key + "wait_fraction"] = epoch.wait_fraction
+            metrics[key + "samples_per_s"] = epoch.samples_per_s
+            busy = epoch.worker_busy_fraction
+            if busy is not None:
+                metrics[key + "worker_busy"] = busy
+            if self.verbose:
+                from lightning.pytorch.utilities import rank_zero_info
+
+                rank_zero_info(f"fastloader {name}: {epoch.summary()}")
+        if metrics:
+            pl_module.log_dict(metrics, on_step=False, on_epoch=True, batch_size=1)
+
+
+def _named_loaders(loaders: Any) -> list[tuple[str, DataLoader]]:
+    """The fastloader loaders in whatever Lightning holds (a loader, a list, a dict), named."""
+    if isinstance(loaders, DataLoader):
+        return [("train", loaders)]
+    if isinstance(loaders, dict):
+        items = list(loaders.items())
+    elif isinstance(loaders, (list, tuple)):
+        items = list(enumerate(loaders))
+    else:
+        return []
+    return [(str(name), loader) for name, loader in items if isinstance(loader, DataLoader)]
+
+
+def _epoch_of(loader: DataLoader) -> EpochStats | None:
+    """The epoch Lightning just trained on: the running one (an epoch cut short by
+    ``limit_train_batches`` is not closed yet), else the last one ended."""
+    current = loader.stats.current
+    if current is not None and current.batches:
+        return current
+    return loader.stats.last

@@ -22,8 +22,8 @@ from fastloader.samplers import (
     record_set_epoch,
     samplers_with_set_epoch,
 )
-from fastloader.seeding import resolve_seed
-from fastloader.stats import LoaderStats
+from fastloader.seeding import resolve_seed, resolve_seed_rngs
+from fastloader.stats import LoaderStats, epoch_length
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -76,6 +76,11 @@ class DataLoader(TorchDataLoader[T_co]):
             it (a model initialised after building the loader is the same as with torch).
             Iterating neither draws from it (torch draws a worker seed per ``iter()``). The
             attribute holds the seed in use.
+        seed_rngs: "auto" (default) seeds each RNG before a sample only once the dataset has
+            been seen drawing from it in that process (same samples as seeding every time;
+            see docs/diagnosis.md); "always" (or True) seeds all three before every sample;
+            "never" (or False) leaves the RNGs alone, as torch does: for datasets without
+            randomness, or that seed their own generators.
         distributed: shard the dataset across the ranks of the initialised
             ``torch.distributed`` process group, like ``DistributedSampler``.
         device: if set ("cuda", "cuda:1", a torch.device, "cpu"), batches are yielded on that
@@ -111,6 +116,7 @@ class DataLoader(TorchDataLoader[T_co]):
         pin_memory_device: str = "",
         in_order: bool = True,
         seed: int | None = None,
+        seed_rngs: bool | str = "auto",
         distributed: bool = False,
         device: str | torch.device | None = None,
         device_prefetch: int = 2,
@@ -120,6 +126,7 @@ class DataLoader(TorchDataLoader[T_co]):
         if persistent_workers is None:
             persistent_workers = num_workers > 0
         seed = resolve_seed(seed, generator)
+        seed_rngs = resolve_seed_rngs(seed_rngs)
         resolved_device = _resolve_device(device, device_prefetch)
         if resolved_device is not None and resolved_device.type == "cuda":
             pin_memory = True
@@ -154,6 +161,7 @@ class DataLoader(TorchDataLoader[T_co]):
             in_order=in_order,
         )
         self.seed = seed
+        self.seed_rngs = seed_rngs
         # where the loader is: epoch, position, resume target (NOTE [ The epoch cursor ] in
         # _cursor.py); `epoch` is a property over it
         self._cursor = EpochCursor()
@@ -219,6 +227,8 @@ class DataLoader(TorchDataLoader[T_co]):
         with torch.random.fork_rng(devices=[]):
             source = self._epoch_source(epoch, skip)
         self._iterator = source
+        self.stats.watch_workers(self.num_workers, getattr(source, "busy_seconds", None))
+        self.stats.iter_done(epoch_length(self, skip))  # time in iter() is a wait for data
         return source
 
     def _epoch_source(self, epoch: int, skip: int) -> Iterator[Any]:

@@ -58,6 +58,8 @@ class SeededDatasetMixin:
     """Swaps in the seeded dataset wrapper where torch's iterator stores the dataset."""
 
     _seed: int  # the loader's seed when this iterator (and its workers) started
+    _seed_rngs = "auto"  # the loader's seed_rngs (NOTE [ Lazy seeding ] in seeding.py)
+    busy_seconds: Any = None  # per worker, seconds loading (NOTE [ The diagnosis ], stats.py)
     _cursor: Any  # the loader's EpochCursor (NOTE [ The epoch cursor ] in _cursor.py)
     _shared_epoch: Any
     _progress: Any = None
@@ -71,9 +73,13 @@ class SeededDatasetMixin:
         if isinstance(dataset, (SeededDataset, SeededIterableDataset)):
             wrapped = dataset
         elif self._schedule is None:
-            wrapped = SeededIterableDataset(dataset, self._seed, self._shared_epoch)
+            wrapped = SeededIterableDataset(
+                dataset, self._seed, self._shared_epoch, self._seed_rngs
+            )
         else:
-            wrapped = SeededDataset(dataset, self._seed, self._progress)
+            wrapped = SeededDataset(
+                dataset, self._seed, self._progress, self._seed_rngs, self.busy_seconds
+            )
         self.__dict__["_seeded_dataset"] = wrapped
 
     def _next_index(self) -> Any:
@@ -94,6 +100,7 @@ class LoaderIterMixin:
 
     _delivered: int  # batches of this epoch handed on (or raised), counted by each iterator
     _interrupted = False
+    _source_s = 0.0  # seconds in _TorchNext during the current next() (device copies only)
 
     def _bind(self, loader: Any) -> None:
         self._loader_ref = weakref.ref(loader)
@@ -120,10 +127,11 @@ class LoaderIterMixin:
             if self._device_batches is None:
                 batch = _BaseDataLoaderIter.__next__(self)
             else:
+                self._source_s = 0.0  # time in _TorchNext: waiting for loading, not the copy
                 batch = next(self._device_batches)
         except StopIteration:
             self._cursor.finished()
-            self._stats.end_epoch()
+            self._stats.end_epoch(time.perf_counter() - started)
             raise
         except KeyboardInterrupt:
             self._interrupted = True
@@ -137,7 +145,8 @@ class LoaderIterMixin:
                 self._cursor.consumed_batch()
             raise
         now = time.perf_counter()
-        self._stats.record_batch(now - started, batch, now)
+        device_s = 0.0 if self._device_batches is None else now - started - self._source_s
+        self._stats.record_batch(now - started, batch, now, max(0.0, device_s))
         self._cursor.consumed_batch()
         return batch
 
@@ -154,12 +163,15 @@ class _TorchNext:
     def __next__(self) -> Any:
         iterator = self._iterator
         delivered = iterator._delivered
+        started = time.perf_counter()
         try:
             return _BaseDataLoaderIter.__next__(iterator)
         except Exception as error:
             if iterator._delivered != delivered:  # a batch whose loading raised
                 iterator._counted_failures.append(error)
             raise
+        finally:
+            iterator._source_s += time.perf_counter() - started
 
 
 def _take(failures: list[BaseException], error: BaseException) -> bool:
@@ -176,13 +188,14 @@ class SingleProcessIter(SeededDatasetMixin, LoaderIterMixin, _SingleProcessDataL
 
     def __init__(self, loader: Any, epoch: int, skip: int = 0) -> None:
         self._seed = loader.seed
+        self._seed_rngs = loader.seed_rngs
         self._cursor = loader._cursor
         self._shared_epoch = multiprocessing.RawValue("q", epoch)
         self._schedule = None
         if loader._dataset_kind == _DatasetKind.Map:
             self._schedule = schedule_for(loader, may_cross=False)
             self._schedule.start(epoch, skip)
-        self._rng_swap = RNGStateSwap()
+        self._rng_swap = RNGStateSwap(self._schedule is None, loader.seed_rngs != "never")
         self._delivered = 0
         super().__init__(loader)
         self._bind(loader)

@@ -61,6 +61,7 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
 
     def __init__(self, loader: Any, epoch: int, skip: int = 0) -> None:
         self._seed = loader.seed
+        self._seed_rngs = loader.seed_rngs
         self._cursor = loader._cursor
         context = loader.multiprocessing_context or multiprocessing.get_context()
         self._shared_epoch = context.RawValue("q", epoch)
@@ -74,6 +75,8 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
         self._forks = context.get_start_method() == "fork"
         if self._supervised:
             self._progress = context.RawArray("q", [NOT_STARTED] * loader.num_workers)
+        if self._schedule is not None:
+            self.busy_seconds = context.RawArray("d", loader.num_workers)
         self._process_factory = loader.multiprocessing_context or torch.multiprocessing
         self._ledger = DeathLedger()
         self._sent_tasks: dict[int, Task] = {}

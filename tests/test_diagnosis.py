@@ -1,0 +1,203 @@
+"""NOTE [ The diagnosis ]: the wait the loader reports is the wait a stopwatch sees, and the
+summary names the next step its numbers support."""
+
+import csv
+import time
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from fastloader import DataLoader
+from fastloader.stats import EpochStats
+
+
+class SleepsPerSample(Dataset):
+    def __init__(self, n: int, sleep_s: float) -> None:
+        self.n, self.sleep_s = n, sleep_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        time.sleep(self.sleep_s)
+        return torch.tensor([i])
+
+
+def _stopwatch_epoch(loader, step_s: float) -> float:
+    """The share of an epoch spent inside iter() and next(), timed from outside the loader."""
+    clock = time.perf_counter
+    began = clock()
+    iterator = iter(loader)
+    blocked = clock() - began
+    while True:
+        asked = clock()
+        try:
+            next(iterator)
+        except StopIteration:
+            blocked += clock() - asked
+            break
+        blocked += clock() - asked
+        time.sleep(step_s)
+    return blocked / (clock() - began)
+
+
+@pytest.mark.parametrize(
+    ("num_workers", "persistent", "sample_s", "step_s"),
+    [
+        (2, False, 0.003, 0.004),  # data-bound, workers started inside iter() every epoch
+        (2, True, 0.003, 0.004),  # data-bound, persistent workers
+        (0, False, 0.002, 0.004),  # loading in the training process
+        (2, True, 0.0, 0.02),  # the model is the bottleneck
+    ],
+)
+def test_reported_wait_fraction_agrees_with_a_stopwatch(num_workers, persistent, sample_s, step_s):
+    loader = DataLoader(
+        SleepsPerSample(48, sample_s),
+        batch_size=6,
+        num_workers=num_workers,
+        persistent_workers=persistent,
+    )
+    with loader:
+        for _ in range(2):
+            expected = _stopwatch_epoch(loader, step_s)
+            reported = loader.stats.last
+            assert reported.complete and reported.batches == 8
+            # The loader's clock starts and stops a few microseconds inside the stopwatch's:
+            # both measure the same interval, so they agree on a loaded machine too.
+            assert reported.wait_fraction == pytest.approx(expected, abs=0.04)
+            assert reported.workers == num_workers
+
+
+def test_workers_report_the_time_they_spend_loading():
+    sample_s = 0.004
+    loader = DataLoader(SleepsPerSample(32, sample_s), batch_size=4, num_workers=2)
+    with loader:
+        list(loader)
+    epoch = loader.stats.last
+    # every sample slept sample_s in some worker; all of it within the epoch's wall time
+    assert 32 * sample_s <= epoch.worker_busy_s <= 2 * epoch.wall_s
+    assert 0.0 < epoch.worker_busy_fraction <= 1.0
+    assert "2 workers busy" in loader.stats.summary()
+
+
+def test_an_empty_epoch_says_so():
+    loader = DataLoader(SleepsPerSample(0, 0.0), batch_size=4)
+    assert list(loader) == []
+    summary = loader.stats.summary()
+    assert summary.startswith("empty epoch: ") and "no batches" in summary
+    assert "waited" not in summary
+
+
+def test_an_epoch_ends_with_its_last_batch_when_its_length_is_known():
+    # Lightning stops after len(loader) batches and never asks for the end of the epoch
+    loader = DataLoader(SleepsPerSample(8, 0.0), batch_size=4)
+    for epoch in range(2):
+        iterator = iter(loader)
+        next(iterator), next(iterator)
+        assert loader.stats.last.epoch == epoch and loader.stats.last.complete
+        assert loader.stats.current is None
+    assert [e.complete for e in loader.stats.epochs] == [True, True]
+
+
+def test_a_batch_beyond_the_known_length_reopens_the_epoch():
+    from fastloader.stats import LoaderStats
+
+    stats = LoaderStats()
+    stats.start_epoch(0)
+    stats.iter_done(batches=1)
+    stats.record_batch(0.0, torch.zeros(2))
+    assert stats.last.complete
+    stats.record_batch(0.0, torch.zeros(3))  # len() undercounted: still epoch 0
+    stats.end_epoch()
+    assert [(e.epoch, e.batches, e.samples, e.complete) for e in stats.epochs] == [(0, 2, 5, True)]
+
+
+def _epoch(**fields) -> EpochStats:
+    epoch = EpochStats(epoch=0, batches=10, samples=100, complete=True, **fields)
+    epoch._ended_at = epoch._started_at + 1.0  # a one-second epoch
+    return epoch
+
+
+@pytest.mark.parametrize(
+    ("fields", "step"),
+    [
+        (dict(wait_s=0.05, workers=2, worker_busy_s=0.2), "the model is the bottleneck"),
+        (dict(wait_s=0.9, workers=2, worker_busy_s=1.96), "workers are busy 98% of the time: add"),
+        (dict(wait_s=0.9, workers=4, worker_busy_s=0.8), "busy only 20% of the time, yet"),
+        (dict(wait_s=0.9, workers=0), "set num_workers > 0"),
+        (dict(wait_s=0.1, iter_wait_s=0.6, workers=2, worker_busy_s=0.4), "epoch's start"),
+        (dict(wait_s=0.9, device_wait_s=0.7, workers=2, worker_busy_s=0.4), "copy to the device"),
+    ],
+)
+def test_the_next_step_follows_the_largest_part_of_the_wait(fields, step):
+    epoch = _epoch(**fields)
+    assert step in epoch.next_step()
+    assert f"next step: {epoch.next_step()}" in epoch.summary()
+
+
+def test_the_wait_is_split_into_start_workers_and_device():
+    epoch = _epoch(
+        wait_s=0.6,
+        first_batch_wait_s=0.15,
+        iter_wait_s=0.1,
+        device_wait_s=0.05,
+        workers=2,
+        worker_busy_s=1.0,
+    )
+    # later batches waited 0.05 s each: the first batch's extra 0.1 s is the epoch's start
+    assert epoch.start_wait_s == pytest.approx(0.2)
+    assert epoch.worker_wait_s == pytest.approx(0.45)
+    assert epoch.wait_fraction == pytest.approx(0.7)
+    assert "= epoch start 20% + workers 45% + device copy 5%" in epoch.summary()
+
+
+def test_device_copy_time_is_told_apart_from_loading():
+    loader = DataLoader(SleepsPerSample(12, 0.001), batch_size=4, device="cpu")
+    assert len(list(loader)) == 3
+    epoch = loader.stats.last
+    assert 0.0 <= epoch.device_wait_s <= epoch.wait_s
+    assert epoch.worker_wait_s + epoch.device_wait_s <= epoch.wait_s + 1e-9
+
+
+lightning = pytest.importorskip("lightning.pytorch")
+
+
+class _Model(lightning.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch.float()).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return DataLoader(SleepsPerSample(12, 0.001), batch_size=4, num_workers=1)
+
+
+@pytest.mark.lightning
+def test_lightning_callback_logs_the_wait_fraction_every_epoch(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from fastloader.lightning import LoaderStatsMonitor
+
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        logger=CSVLogger(tmp_path, name="run"),
+        callbacks=[LoaderStatsMonitor()],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+    )
+    trainer.fit(_Model())
+    trainer.train_dataloader.close()
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as file:
+        rows = [row for row in csv.DictReader(file) if row.get("data/wait_fraction")]
+    assert [int(row["epoch"]) for row in rows] == [0, 1]
+    assert all(0.0 <= float(row["data/wait_fraction"]) <= 1.0 for row in rows)
+    assert all(0.0 <= float(row["data/worker_busy"]) <= 1.0 for row in rows)
