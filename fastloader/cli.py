@@ -256,6 +256,9 @@ def _run_pack(args: argparse.Namespace, prog: str) -> int:
         print(summary.headline())
         if summary.skipped:
             print(f"skipped {len(summary.skipped)} unreadable images, listed on stderr")
+    replaced = getattr(summary, "replaced", None)
+    if replaced:  # never silenced either: see NOTE [ Publishing the pack ]
+        print(f"{prog}: {replaced}", file=sys.stderr)
     # The skipped files are never silenced: a user must know what is missing from the pack.
     for where, reason in summary.skipped:
         print(f"{prog}: skipped {where}: {reason}", file=sys.stderr)

@@ -28,11 +28,15 @@ from typing import Any, NamedTuple
 from tqdm import tqdm
 
 from fastloader._pack_process import (
+    file_identity,
+    free_bytes,
     frozen_heap,
     partial_path,
+    publish,
     raise_if_signalled,
     remove_stale_partials,
     start_pool_worker,
+    storage_error,
 )
 from fastloader._pack_worker import (
     DatasetEncoder,
@@ -87,6 +91,7 @@ class PackSummary:
     size_bytes: int = 0
     seconds: float = 0.0
     removed_partials: list[tuple[Path, int]] = field(default_factory=list)
+    replaced: str | None = None  # see NOTE [ Publishing the pack ]
 
     def headline(self) -> str:
         """One line: what was packed, where, how big, how fast."""
@@ -101,6 +106,7 @@ class PackSummary:
             f"removed {path}, left by packer process {pid} that no longer runs"
             for path, pid in self.removed_partials
         ]
+        lines += [self.replaced] if self.replaced else []
         lines.append(self.headline())
         if self.skipped:
             lines.append(f"skipped {len(self.skipped)} unreadable:")
@@ -308,7 +314,8 @@ def _default_workers() -> int:
 
 # NOTE [ Atomic packing ]
 # The writer writes a hidden temporary file beside the target, `.NAME.partial-PID@HOST`, in the
-# same folder so that the final `os.replace` is an atomic rename within one file system. The
+# same folder so that the final rename is atomic within one file system (and never replaces a
+# DST that appeared meanwhile unless asked: NOTE [ Publishing the pack ] in _pack_process.py). The
 # rename happens only after the writer's close() succeeded and the file is synced; close()
 # writes the metadata last, so a temporary file left by a killed run never opens as a complete
 # pack. On any exception, KeyboardInterrupt and SIGTERM (via the CLI) included, the writer is
@@ -419,6 +426,7 @@ def pack(
     }
     removed_partials = remove_stale_partials(target)
     temp = partial_path(target)
+    seen, free = file_identity(target), free_bytes(target.parent)
     writer = None
     try:
         writer = open_writer(temp, format, store=store, classes=job.classes, info=info)
@@ -434,18 +442,33 @@ def pack(
         writer.close()
         _sync(temp)
         raise_if_signalled()  # see NOTE [ Signals while packing ]
-        os.replace(temp, target)
-    except BaseException:
+        replaced = publish(temp, target, overwrite, seen)  # NOTE [ Publishing the pack ]
+    except BaseException as error:
         if writer is not None:
             with contextlib.suppress(Exception):
                 writer.abort()
+        full = None
+        if not isinstance(error, FileExistsError):
+            count, written = (0, 0) if writer is None else (writer.count, writer.bytes_written)
+            full = storage_error(error, target, written, count, len(job.items), free)
         with contextlib.suppress(FileNotFoundError):
             os.remove(temp)
+        if full is not None:  # see NOTE [ Disk full while packing ]
+            raise full from error
         raise
     _sync(target.parent)
     size, seconds = target.stat().st_size, time.perf_counter() - started
     return PackSummary(
-        target, format, store, writer.count, job.classes, skipped, size, seconds, removed_partials
+        target,
+        format,
+        store,
+        writer.count,
+        job.classes,
+        skipped,
+        size,
+        seconds,
+        removed_partials,
+        replaced,
     )
 
 
