@@ -106,19 +106,21 @@ def frozen_heap() -> Iterator[None]:
 # The packer must never leave a process or a file behind, however it ends:
 # * Ctrl-C (SIGINT to the whole process group) and SIGTERM (a scheduler's time limit, `kill`;
 #   the CLI turns it into an exception like Ctrl-C): pool workers ignore both, the main process
-#   handles them once: it cancels what is queued, lets the running chunks finish (a few
-#   images), removes the partial file and exits (130 / 143).
+#   handles them once: it stops the workers (idle ones are told to exit, busy ones are
+#   SIGKILLed: they hold nothing but the images at hand), removes the partial file and exits
+#   (130 / 143).
 # * SIGKILL of the main process (the OOM killer, a scheduler's last resort): nothing runs in
 #   it, so each worker asks the kernel to SIGKILL it when its parent dies (Linux
-#   PR_SET_PDEATHSIG, set in the pool initializer, then a getppid() check for a parent that
+#   PR_SET_PDEATHSIG, set when the worker starts, then a getppid() check for a parent that
 #   died before that); elsewhere a watchdog thread in each worker polls getppid(). The partial
 #   file stays; the next run for the same DST removes it (see NOTE [ Atomic packing ]).
-# The death signal follows the *thread* that started the worker: ProcessPoolExecutor starts
-# its workers from the thread that submits (here the main thread), on Python 3.10-3.13.
+# The death signal follows the *thread* that started the worker: the pool (_pack_pool.py)
+# starts its workers, replacements included, from the thread that runs pack(), which lives
+# until they are stopped.
 
 
 def start_pool_worker(encoder: Callable[[Any], Encoded], parent: int) -> None:
-    """Pool initializer: die with the parent, leave SIGTERM to it, then set up the encoder."""
+    """In a new worker: die with the parent, leave SIGTERM to it, then set up the encoder."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent(parent)
     start_worker(encoder)
