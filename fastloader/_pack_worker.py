@@ -6,6 +6,7 @@ Runs in the packing worker processes (see NOTE [ Packing workers ]); pack.py sca
 from __future__ import annotations
 
 import io
+import re
 import signal
 import sys
 from collections.abc import Callable
@@ -15,11 +16,11 @@ from typing import Any, NamedTuple
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from fastloader._image_limits import check_pixels
 from fastloader.formats import RecordKind, encode_record
 from fastloader.formats.packfile import is_tensor
 from fastloader.images import (
     check_image,
-    check_jpeg,
     decode_image,
     is_jpeg,
     shrunk_size,
@@ -69,15 +70,65 @@ def encode_image(image: Image.Image, label: int, options: Options) -> bytes:
 
 def _encode_bytes(data: bytes, label: int, options: Options) -> bytes:
     # Bad files are found here: kept as they are, files are checked (check_image), otherwise
-    # they are decoded.
+    # they are decoded. Bombs first: NOTE [ Per-image limits when packing ] in _pack_pool.py.
+    check_pixels(data)
     full = options.check == "full"
     if options.store == "encoded":
-        check_image(data, full)
+        _check_like_pillow(data, full)
         return encode_record(data, label, RecordKind.ENCODED)
     if full and is_jpeg(data):
-        check_jpeg(data)
+        _check_like_pillow(data, full)
     image = decode_image(data, options.max_side, options.short_side)
     return encode_image(image, label, options)
+
+
+# NOTE [ Pillow decides what is unreadable ]
+# The packer must keep every image torchvision's ImageFolder loads, yet never admit pixels
+# made from damaged data. The full check decodes JPEGs with libjpeg-turbo in strict mode (NOTE
+# [ Checking images when packing ] in images.py), which turns every libjpeg warning into an
+# error. Some warnings are about the file's structure, not its pixels (_harmless): a bad ICC
+# marker, an unknown JFIF revision or Adobe transform code, TurboJPEG's "could not determine
+# subsampling type" for a valid but unusual chroma subsampling, and extraneous bytes before a
+# marker between segments, or before the end marker when they are padding (all 0x00 or 0xFF).
+# For a JPEG refused only for one of those, Pillow's full decode (with truncated images refused,
+# whatever the caller set) decides: a file it loads is packed, as torchvision would load it.
+# Extraneous bytes of data before the end marker or a restart marker are what is left when
+# damaged entropy-coded data throws the decoder off (measured: most damage in the middle of a
+# file reads so); with a bad Huffman code, a premature end of a data segment or an inconsistent
+# progression they mean damaged pixels, even where Pillow decodes them silently: those files
+# stay skipped, with libjpeg's reason. The strict check runs first because it is fast (DCT
+# scale 1/8) and settles nearly every file; Pillow's full decode runs only for the few with a
+# harmless complaint.
+_HARMLESS = ("bad ICC marker", "unknown JFIF revision", "Unknown Adobe color transform")
+_EXTRANEOUS = re.compile(r"(\d+) extraneous bytes before marker 0x([0-9a-f]{2})")
+
+
+def _harmless(reason: str, data: bytes) -> bool:
+    if any(text in reason for text in _HARMLESS) or "subsampling" in reason.lower():
+        return True
+    extra = _EXTRANEOUS.search(reason)
+    if extra is None:
+        return False
+    count, marker = int(extra[1]), int(extra[2], 16)
+    if marker == 0xD9:  # the end marker: padding only
+        return data.endswith(b"\xff\xd9") and not data[-2 - count : -2].strip(b"\x00\xff")
+    return not 0xD0 <= marker <= 0xD7  # not inside the entropy-coded data (restart markers)
+
+
+def _check_like_pillow(data: bytes, full: bool) -> None:
+    """``check_image``, with Pillow as the judge of JPEGs the strict check refuses for a
+    harmless reason (see NOTE [ Pillow decides what is unreadable ])."""
+    try:
+        check_image(data, full)
+    except UnidentifiedImageError:
+        raise
+    except OSError as strict:
+        if not (full and is_jpeg(data)) or not _harmless(str(strict), data):
+            raise
+        try:
+            decode_image(data)
+        except Exception:
+            raise strict from None  # libjpeg's reason says more than Pillow's
 
 
 def _reason(error: BaseException) -> str:
@@ -184,13 +235,14 @@ def _as_image(image: Any, index: int) -> Image.Image | bytes:
 
 
 # NOTE [ Packing workers ]
-# Workers get chunks of a few samples through a ProcessPoolExecutor. At most `2 * workers + 2`
-# chunks are in flight and results are taken in submission order, so records are written in
-# index order and memory stays bounded however slow the writer is. The encoder (with a dataset
-# in it) reaches each worker once, through the initializer. Workers ignore SIGINT: Ctrl-C is
-# handled once, by the main process, which cancels what is queued and cleans up (see NOTE
-# [ Atomic packing ]). An exception in a worker, KeyboardInterrupt included, is re-raised in
-# the main process by `Future.result()`; a worker that dies breaks the pool loudly, no hang.
+# Workers (fastloader/_pack_pool.py) get chunks of a few samples and send each result back as
+# it is done; the main process writes them in index order, with at most `4 * workers` chunks
+# ahead of the writer, so memory stays bounded however slow the writer is. The encoder (with a
+# dataset in it) reaches each worker once, when it starts. Workers ignore SIGINT: Ctrl-C is
+# handled once, by the main process, which stops the workers and cleans up (see NOTE [ Atomic
+# packing ]). An exception in the encoder (a sample of the wrong kind) is re-raised in the main
+# process; an image that takes too long or kills its worker is skipped (NOTE [ Per-image limits
+# when packing ]).
 
 _worker_encoder: Callable[[Any], Encoded] | None = None
 
@@ -201,5 +253,6 @@ def start_worker(encoder: Callable[[Any], Encoded]) -> None:
     _worker_encoder = encoder
 
 
-def encode_chunk(items: list) -> list[Encoded]:
-    return [_worker_encoder(item) for item in items]
+def encode_one(item: Any) -> Encoded:
+    """Encode one item with the encoder this worker was started with."""
+    return _worker_encoder(item)

@@ -116,6 +116,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         help="how each input image is checked before it is packed: full (decode it all) or "
         "quick (cheaper); default: the library's",
     )
+    parser.add_argument(
+        "--image-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="skip an image that takes longer to decode in a worker process (default 120)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     parser.add_argument(
         "--strict", action="store_true", help="fail on the first unreadable image (else skip it)"
@@ -156,6 +162,8 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
             parser.error(f"{flag} must be a positive number of pixels")
     if args.workers is not None and args.workers < 0:
         parser.error("--workers must be 0 or more")
+    if args.image_timeout is not None and not args.image_timeout > 0:
+        parser.error("--image-timeout must be a positive number of seconds")
     return args
 
 
@@ -224,6 +232,8 @@ def _run_pack(args: argparse.Namespace, prog: str) -> int:
     with signals_as_interrupts():  # see NOTE [ Signals while packing ]
         try:
             extra = {} if args.check is None else {"check": args.check}
+            if args.image_timeout is not None:
+                extra["image_timeout"] = args.image_timeout
             summary = pack(
                 args.src,
                 args.dst,
@@ -256,6 +266,9 @@ def _run_pack(args: argparse.Namespace, prog: str) -> int:
         print(summary.headline())
         if summary.skipped:
             print(f"skipped {len(summary.skipped)} unreadable images, listed on stderr")
+    replaced = getattr(summary, "replaced", None)
+    if replaced:  # never silenced either: see NOTE [ Publishing the pack ]
+        print(f"{prog}: {replaced}", file=sys.stderr)
     # The skipped files are never silenced: a user must know what is missing from the pack.
     for where, reason in summary.skipped:
         print(f"{prog}: skipped {where}: {reason}", file=sys.stderr)

@@ -18,21 +18,22 @@ import os
 import pickle
 import sys
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from tqdm import tqdm
 
+from fastloader._pack_pool import IMAGE_SECONDS, encode_in_workers
 from fastloader._pack_process import (
-    frozen_heap,
+    file_identity,
+    free_bytes,
     partial_path,
+    publish,
     raise_if_signalled,
     remove_stale_partials,
-    start_pool_worker,
+    storage_error,
 )
 from fastloader._pack_worker import (
     DatasetEncoder,
@@ -40,7 +41,6 @@ from fastloader._pack_worker import (
     FolderEncoder,
     Options,
     check_label,
-    encode_chunk,
 )
 from fastloader.formats import (
     STORE_MODES,
@@ -54,7 +54,6 @@ __all__ = ["IMG_EXTENSIONS", "BadImageError", "PackSummary", "pack", "scan_image
 
 #: The file suffixes torchvision's ImageFolder accepts (matched case-insensitively).
 FORMATS = ("lmdb", "hdf5")
-_CHUNK = 16  # samples per worker task: IPC stays cheap, memory in flight stays small
 
 
 class BadImageError(ValueError):
@@ -87,6 +86,7 @@ class PackSummary:
     size_bytes: int = 0
     seconds: float = 0.0
     removed_partials: list[tuple[Path, int]] = field(default_factory=list)
+    replaced: str | None = None  # see NOTE [ Publishing the pack ]
 
     def headline(self) -> str:
         """One line: what was packed, where, how big, how fast."""
@@ -101,6 +101,7 @@ class PackSummary:
             f"removed {path}, left by packer process {pid} that no longer runs"
             for path, pid in self.removed_partials
         ]
+        lines += [self.replaced] if self.replaced else []
         lines.append(self.headline())
         if self.skipped:
             lines.append(f"skipped {len(self.skipped)} unreadable:")
@@ -162,26 +163,15 @@ def scan_image_folder(root: str | os.PathLike) -> tuple[list[tuple[str, int]], l
 # --- scan and write: run in the main process --------------------------------------------------
 
 
-def _encode_all(encoder: Callable, items: Sequence, workers: int) -> Iterator[Encoded]:
-    """Yield ``encoder(item)`` for every item in order, in ``workers`` processes if > 1."""
-    if workers <= 1:
+def _encode_all(
+    encoder: Callable, items: Sequence, workers: int, seconds: float = IMAGE_SECONDS
+) -> Iterator[Encoded]:
+    """Yield ``encoder(item)`` for every item in order, in ``workers`` processes if > 0
+    (see NOTE [ Per-image limits when packing ] in _pack_pool.py)."""
+    if workers <= 0:
         yield from map(encoder, items)
         return
-    size = max(1, min(_CHUNK, len(items) // (workers * 4)))
-    context = multiprocessing.get_context(_start_method())
-    executor = ProcessPoolExecutor(workers, context, start_pool_worker, (encoder, os.getpid()))
-    try:
-        pending: deque = deque()
-        for start in range(0, len(items), size):
-            with frozen_heap() if start == 0 else contextlib.nullcontext():
-                # the first submit starts the workers: NOTE [ Forking the packer's workers ]
-                pending.append(executor.submit(encode_chunk, list(items[start : start + size])))
-            if len(pending) >= 2 * workers + 2:
-                yield from pending.popleft().result()
-        while pending:
-            yield from pending.popleft().result()
-    finally:
-        executor.shutdown(wait=True, cancel_futures=True)
+    yield from encode_in_workers(encoder, items, workers, _start_method(), seconds)
 
 
 class _Job(NamedTuple):
@@ -308,7 +298,8 @@ def _default_workers() -> int:
 
 # NOTE [ Atomic packing ]
 # The writer writes a hidden temporary file beside the target, `.NAME.partial-PID@HOST`, in the
-# same folder so that the final `os.replace` is an atomic rename within one file system. The
+# same folder so that the final rename is atomic within one file system (and never replaces a
+# DST that appeared meanwhile unless asked: NOTE [ Publishing the pack ] in _pack_process.py). The
 # rename happens only after the writer's close() succeeded and the file is synced; close()
 # writes the metadata last, so a temporary file left by a killed run never opens as a complete
 # pack. On any exception, KeyboardInterrupt and SIGTERM (via the CLI) included, the writer is
@@ -336,6 +327,7 @@ def pack(
     progress: bool | None = None,
     classes: Sequence[str] | None = None,
     check: str = "full",
+    image_timeout: float = IMAGE_SECONDS,
 ) -> PackSummary:
     """Pack an image folder or a map-style dataset into one LMDB or HDF5 file.
 
@@ -360,8 +352,8 @@ def pack(
             resize). With both, images fit both; images are never enlarged.
         workers: processes that decode and encode; default all usable CPUs, except for an
             image folder with ``store="encoded"`` and ``check="quick"``, whose files are only
-            checked, in this process; 0 or 1 encode in this process, as does a dataset that
-            cannot be pickled when workers do not fork.
+            checked, in this process; 0 encodes in this process (without ``image_timeout``),
+            as does a dataset that cannot be pickled when workers do not fork.
         overwrite: replace an existing ``path``.
         strict: fail on the first image that cannot be read instead of skipping it.
         progress: show a progress bar on stderr; default when stderr is a terminal.
@@ -370,7 +362,12 @@ def pack(
         check: ``"full"`` (default) decodes every image stored, JPEGs strictly at their smallest
             DCT scale, so a file damaged anywhere is skipped; ``"quick"`` (weaker, faster for
             ``store="encoded"``) only checks each file's header and end marker, finding
-            truncated files but not damage inside them.
+            truncated files but not damage inside them. Either way an image is skipped only
+            when Pillow cannot load it either, or when it is a bomb: more pixels than Pillow
+            allows (``PIL.Image.MAX_IMAGE_PIXELS``), or, in worker processes, longer than
+            ``image_timeout`` to encode (see NOTE [ Per-image limits when packing ]).
+        image_timeout: the seconds one image may take in a worker process before it is
+            stopped and skipped.
 
     Returns:
         a :class:`PackSummary` of what was written and skipped.
@@ -389,6 +386,8 @@ def pack(
     _check_options(store, quality, max_side, short_side, format)
     if workers is not None and workers < 0:
         raise ValueError(f"workers must be >= 0, got {workers}")
+    if not isinstance(image_timeout, (int, float)) or not image_timeout > 0:
+        raise ValueError(f"image_timeout must be a positive number, got {image_timeout!r}")
     target = Path(os.path.expanduser(os.fspath(path)))
     format = _target_format(target, format, source)
     _check_target(target, overwrite)
@@ -419,10 +418,11 @@ def pack(
     }
     removed_partials = remove_stale_partials(target)
     temp = partial_path(target)
+    seen, free = file_identity(target), free_bytes(target.parent)
     writer = None
     try:
         writer = open_writer(temp, format, store=store, classes=job.classes, info=info)
-        results = _encode_all(job.encoder, job.items, workers)
+        results = _encode_all(job.encoder, job.items, workers, image_timeout)
         show = sys.stderr.isatty() if progress is None else progress
         bar = tqdm(total=len(job.items), desc=target.name, unit="img", disable=not show)
         with contextlib.closing(results), bar:
@@ -434,18 +434,33 @@ def pack(
         writer.close()
         _sync(temp)
         raise_if_signalled()  # see NOTE [ Signals while packing ]
-        os.replace(temp, target)
-    except BaseException:
+        replaced = publish(temp, target, overwrite, seen)  # NOTE [ Publishing the pack ]
+    except BaseException as error:
         if writer is not None:
             with contextlib.suppress(Exception):
                 writer.abort()
+        full = None
+        if not isinstance(error, FileExistsError):
+            count, written = (0, 0) if writer is None else (writer.count, writer.bytes_written)
+            full = storage_error(error, target, written, count, len(job.items), free)
         with contextlib.suppress(FileNotFoundError):
             os.remove(temp)
+        if full is not None:  # see NOTE [ Disk full while packing ]
+            raise full from error
         raise
     _sync(target.parent)
     size, seconds = target.stat().st_size, time.perf_counter() - started
     return PackSummary(
-        target, format, store, writer.count, job.classes, skipped, size, seconds, removed_partials
+        target,
+        format,
+        store,
+        writer.count,
+        job.classes,
+        skipped,
+        size,
+        seconds,
+        removed_partials,
+        replaced,
     )
 
 

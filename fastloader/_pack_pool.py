@@ -1,0 +1,218 @@
+"""The packer's worker pool: items encoded in worker processes and handed back in order, each
+image under a time limit, and an image that kills its worker skipped instead of ending the run.
+
+The main-process side (:func:`encode_in_workers`) runs in the packer; ``_serve`` runs in each
+worker process. See NOTE [ Per-image limits when packing ].
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from multiprocessing.connection import wait
+from typing import Any
+
+from fastloader._pack_process import frozen_heap, start_pool_worker
+from fastloader._pack_worker import Encoded, encode_one
+
+#: The longest one image may take to decode and encode in a packer worker, by default.
+IMAGE_SECONDS = 120.0
+_CHUNK = 16  # items per message to a worker: IPC stays cheap, memory in flight stays small
+_DEATHS = 2  # an item whose worker dies this many times is skipped
+
+# NOTE [ Per-image limits when packing ]
+# One hostile image must cost one skip line, never the run (nor the machine):
+# * pixels: the header is read first (fastloader/_image_limits.py) and an image over PIL's
+#   limit (Image.MAX_IMAGE_PIXELS, doubled as PIL does for its DecompressionBombError) is
+#   skipped before any decoder allocates, in every process, with any number of workers;
+# * time: a worker process encodes one chunk of items at a time and sends each result back as
+#   it is done, so the main process knows which item each worker is on and since when. An item
+#   running past the time limit (a progressive JPEG of 20 000 scans decodes for minutes in
+#   libjpeg, inside C code that no Python signal handler interrupts) gets its worker
+#   SIGKILLed: the item is skipped with the reason, a fresh worker takes the rest of the chunk;
+# * a worker that dies (the OOM killer, a crash in a decoder) is replaced the same way and its
+#   item tried once more in a fresh worker, then skipped, naming the signal: a
+#   ProcessPoolExecutor would instead break for good (BrokenProcessPool) on the first death.
+# With workers=0 items are encoded in the packer's own process: the pixel limit holds, the
+# time limit cannot (nothing can stop libjpeg there), so the CLI and pack() use at least one
+# worker process for a full check unless told `--workers 0`.
+# Results are yielded in item order; at most `4 * workers` chunks are ahead of the writer, so
+# memory stays bounded however slow the writer is.
+
+
+def _serve(connection: Any, encoder: Callable[[Any], Encoded], parent: int) -> None:
+    """A worker process: encode the chunks received, sending back each result when done."""
+    start_pool_worker(encoder, parent)
+    while True:
+        try:
+            chunk = connection.recv()
+        except (EOFError, OSError):
+            return
+        if chunk is None:
+            return
+        start, items = chunk
+        for offset, item in enumerate(items):
+            try:
+                message = ("done", start + offset, encode_one(item))
+            except BaseException as error:  # a sample of the wrong kind: the run fails, naming it
+                message = ("error", start + offset, _sendable(error))
+            connection.send(message)
+
+
+def _sendable(error: BaseException) -> BaseException:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error
+
+
+class _Worker:
+    def __init__(self, context: Any, encoder: Callable, parent: int) -> None:
+        self.connection, child = context.Pipe()
+        self.process = context.Process(
+            target=_serve, args=(child, encoder, parent), name="fastloader-pack", daemon=True
+        )
+        self.process.start()
+        child.close()
+        self.pending: deque[int] = deque()  # indices sent and not done, in order
+        self.since = 0.0  # when the item at pending[0] started
+
+    def send(self, indices: list[int], items: Sequence) -> None:
+        # consecutive indices go as one chunk; a retried item goes alone
+        self.connection.send((indices[0], [items[index] for index in indices]))
+        self.pending.extend(indices)
+        self.since = time.monotonic()
+
+    def kill(self) -> None:
+        with contextlib.suppress(OSError):
+            self.process.kill()
+        self.process.join()
+        self.connection.close()
+
+
+def _death(process: Any) -> str:
+    code = process.exitcode
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name
+        hint = " (out of memory?)" if -code == signal.SIGKILL else ""
+        return f"killed by {name}{hint}"
+    return f"exited with status {code}"
+
+
+def _skip(item: Any, reason: str) -> Encoded:
+    label = item[1] if isinstance(item, tuple) and len(item) == 2 else 0
+    return Encoded(None, label, reason)
+
+
+def encode_in_workers(
+    encoder: Callable[[Any], Encoded],
+    items: Sequence,
+    workers: int,
+    start_method: str,
+    seconds: float = IMAGE_SECONDS,
+) -> Iterator[Encoded]:
+    """Yield the encoding of every item, in order, from ``workers`` processes.
+
+    Args:
+        encoder: called on each item in the workers (reaches each worker once).
+        items: what to encode.
+        workers: how many processes (at least 1).
+        start_method: the multiprocessing start method.
+        seconds: the time limit per item (see NOTE [ Per-image limits when packing ]).
+
+    Raises:
+        Exception: what the encoder raised for an item (a sample of the wrong kind), at once.
+    """
+    context = multiprocessing.get_context(start_method)
+    size = max(1, min(_CHUNK, len(items) // (workers * 4)))
+    parent = os.getpid()
+    pool: list[_Worker] = []
+    results: dict[int, Encoded] = {}
+    retry: deque[int] = deque()
+    deaths: dict[int, int] = {}
+    next_in = next_out = 0
+    try:
+        with frozen_heap():  # see NOTE [ Forking the packer's workers ]
+            pool = [_Worker(context, encoder, parent) for _ in range(workers)]
+        while next_out < len(items):
+            for worker in pool:  # give work to the idle
+                if worker.pending:
+                    continue
+                if retry:
+                    worker.send([retry.popleft()], items)
+                elif next_in < len(items) and next_in < next_out + 4 * workers * size:
+                    stop = min(next_in + size, len(items))
+                    worker.send(list(range(next_in, stop)), items)
+                    next_in = stop
+            busy = [worker for worker in pool if worker.pending]
+            waits = [w.connection for w in busy] + [w.process.sentinel for w in busy]
+            for ready in wait(waits, timeout=min(1.0, seconds)):
+                worker = next(w for w in busy if ready in (w.connection, w.process.sentinel))
+                if ready is worker.connection:
+                    _receive(worker, results)
+            now = time.monotonic()
+            for slot, worker in enumerate(pool):
+                late = worker.pending and now - worker.since > seconds
+                if worker.process.is_alive() and not late:
+                    continue
+                while worker.process.is_alive() is False and _receive(worker, results):
+                    pass  # results sent before it died
+                if not worker.pending and not worker.process.is_alive():
+                    worker.kill()
+                    pool[slot] = _Worker(context, encoder, parent)
+                    continue
+                if late and worker.process.is_alive():
+                    worker.kill()
+                    index = worker.pending.popleft()
+                    reason = f"took more than {seconds:g} s to decode (a scan bomb?); stopped"
+                    results[index] = _skip(items[index], reason)
+                elif worker.pending:
+                    worker.kill()
+                    index = worker.pending.popleft()
+                    deaths[index] = deaths.get(index, 0) + 1
+                    if deaths[index] >= _DEATHS:
+                        reason = f"its worker process died decoding it, {_DEATHS} times: "
+                        results[index] = _skip(items[index], reason + _death(worker.process))
+                    else:
+                        retry.appendleft(index)
+                retry.extend(worker.pending)
+                worker.pending.clear()
+                pool[slot] = _Worker(context, encoder, parent)
+            while next_out in results:
+                yield results.pop(next_out)
+                next_out += 1
+    finally:
+        for worker in pool:
+            with contextlib.suppress(OSError, ValueError):
+                worker.connection.send(None)
+        for worker in pool:
+            worker.process.join(timeout=0 if worker.pending else 5)
+            if worker.process.is_alive():
+                worker.kill()
+            else:
+                worker.connection.close()
+
+
+def _receive(worker: _Worker, results: dict[int, Encoded]) -> bool:
+    """Take one message from ``worker`` if there is one; False when there is none."""
+    try:
+        if not worker.connection.poll():
+            return False
+        kind, index, value = worker.connection.recv()
+    except (EOFError, OSError):
+        return False
+    if kind == "error":
+        raise value
+    results[index] = value
+    if worker.pending and worker.pending[0] == index:
+        worker.pending.popleft()
+    worker.since = time.monotonic()
+    return True

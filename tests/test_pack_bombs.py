@@ -1,0 +1,230 @@
+"""Hostile images when packing: a pixel bomb or a scan bomb is one skip line with its reason
+(never a dead pool, an OOM kill or a stuck run), a worker killed by an image is replaced, and
+every JPEG Pillow loads despite a harmless libjpeg complaint is packed."""
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _images import ImageDataset, encode
+from PIL import Image
+
+from fastloader import open_pack, pack
+from fastloader._image_limits import check_pixels
+
+# --- crafted files ------------------------------------------------------------------------
+
+
+def _jpeg(width: int = 64, height: int = 48, seed: int = 0, **options) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return encode(Image.fromarray(pixels), "JPEG", **options)
+
+
+def _jpeg_bomb() -> bytes:
+    """A small progressive JPEG whose frame header declares 65500 x 65500 pixels."""
+    data = bytearray(_jpeg(16, 16, progressive=True))
+    sof = data.index(b"\xff\xc2")
+    data[sof + 5 : sof + 9] = (65500).to_bytes(2, "big") * 2  # height, width
+    return bytes(data)
+
+
+def _png_bomb() -> bytes:
+    """A small PNG whose IHDR declares 60000 x 60000 pixels (CRC fixed)."""
+    data = bytearray(encode(Image.new("RGB", (8, 8)), "PNG"))
+    data[16:24] = (60000).to_bytes(4, "big") * 2
+    data[29:33] = zlib.crc32(bytes(data[12:29])).to_bytes(4, "big")
+    return bytes(data)
+
+
+def _segments(data: bytes) -> list[tuple[int, int, int]]:
+    """(marker, start, end) of each segment; a scan's end includes its entropy-coded data."""
+    position, found = 2, []
+    while position < len(data):
+        marker = data[position + 1]
+        if marker == 0xD9:
+            found.append((marker, position, position + 2))
+            break
+        end = position + 2 + int.from_bytes(data[position + 2 : position + 4], "big")
+        if marker == 0xDA:
+            while True:
+                end = data.index(b"\xff", end)
+                if data[end + 1] == 0 or 0xD0 <= data[end + 1] <= 0xD7:
+                    end += 2
+                    continue
+                break
+        found.append((marker, position, end))
+        position = end
+    return found
+
+
+def _scan_bomb(scans: int) -> bytes:
+    """A 4096 x 4096 progressive JPEG whose last scan is repeated ``scans`` times: each repeat
+    is a few bytes and costs libjpeg a pass over all 262 144 blocks (minutes at 20 000)."""
+    data = encode(Image.new("RGB", (4096, 4096), (120, 130, 140)), "JPEG", progressive=True)
+    ends = [end for marker, _, end in _segments(data) if marker == 0xDA]
+    last = data[ends[-2] : ends[-1]]  # its Huffman table and the scan
+    return data[: ends[-1]] + last * scans + data[ends[-1] :]
+
+
+def _insert_before(data: bytes, marker: bytes, junk: bytes) -> bytes:
+    at = data.index(marker)
+    return data[:at] + junk + data[at:]
+
+
+def _bad_icc(data: bytes) -> bytes:
+    payload = b"ICC_PROFILE\x00" + bytes([0, 0]) + b"not a profile" * 3  # sequence 0 of 0
+    return data[:2] + b"\xff\xe2" + (len(payload) + 2).to_bytes(2, "big") + payload + data[2:]
+
+
+def _damaged_scan(data: bytes) -> bytes:
+    """Entropy-coded data overwritten so that Pillow's decoder fails too."""
+    scan = data.index(b"\xff\xda")
+    start = scan + 2 + int.from_bytes(data[scan + 2 : scan + 4], "big")
+    damaged = bytearray(data)
+    for at in range(start + 20, len(data) - 2, 7):
+        damaged[at] = (damaged[at] * 31 + 7) & 0xFE
+    return bytes(damaged)
+
+
+def _pillow_loads(data: bytes) -> bool:
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()
+    except Exception:
+        return False
+    return True
+
+
+# --- the pixel limit ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bomb", [_jpeg_bomb, _png_bomb])
+def test_pixel_limit_is_pillows_and_follows_it(bomb, monkeypatch):
+    data = bomb()
+    with pytest.raises(Image.DecompressionBombError):
+        check_pixels(data)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)  # the user lifted it
+    check_pixels(data)
+    small = _jpeg(64, 48)
+    check_pixels(small)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 64 * 48 // 2 - 1)  # refused past twice it
+    with pytest.raises(Image.DecompressionBombError):
+        check_pixels(small)
+
+
+_BOUNDED_CLI = """
+import resource, sys
+limit = int(sys.argv.pop(1))
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+from fastloader.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _run_cli(args: list[str], memory: int = 3 << 30, timeout: float = 120):
+    started = time.monotonic()
+    process = subprocess.run(
+        [sys.executable, "-c", _BOUNDED_CLI, str(memory), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return process, time.monotonic() - started
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.parametrize("store", ["encoded", "raw"])
+def test_bombs_are_skip_lines_in_a_memory_bound(tmp_path, workers, store):
+    source = tmp_path / "src"
+    (source / "a").mkdir(parents=True)
+    (source / "a" / "good.jpg").write_bytes(_jpeg())
+    (source / "a" / "jpeg-bomb.jpg").write_bytes(_jpeg_bomb())
+    (source / "a" / "png-bomb.png").write_bytes(_png_bomb())
+    target = tmp_path / "out.h5"  # LMDB reserves 1 TiB of address space: no RLIMIT_AS for it
+    process, _ = _run_cli([str(source), str(target), "--workers", workers, "--store", store])
+    assert process.returncode == 0, process.stderr
+    skipped = [line for line in process.stderr.splitlines() if "skipped" in line]
+    assert len(skipped) == 2 and all("DecompressionBombError" in line for line in skipped)
+    assert "Traceback" not in process.stderr and "BrokenProcessPool" not in process.stderr
+    assert len(open_pack(target)) == 1
+
+
+# --- the time limit -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def scan_bomb_folder(tmp_path_factory) -> Path:
+    source = tmp_path_factory.mktemp("scans") / "src"
+    (source / "a").mkdir(parents=True)
+    for index in range(3):
+        (source / "a" / f"good{index}.jpg").write_bytes(_jpeg(seed=index))
+    (source / "a" / "scan-bomb.jpg").write_bytes(_scan_bomb(2000))
+    return source
+
+
+@pytest.mark.parametrize(
+    ("workers", "options"),
+    [("1", []), ("2", []), ("2", ["--store", "raw", "--check", "quick"])],
+)
+def test_a_scan_bomb_is_stopped_at_the_time_limit_and_skipped(
+    scan_bomb_folder, tmp_path, workers, options
+):
+    target = tmp_path / "out.h5"
+    args = [str(scan_bomb_folder), str(target), "--workers", workers, "--image-timeout", "2"]
+    process, seconds = _run_cli(args + options)
+    assert process.returncode == 0, process.stderr
+    (line,) = [line for line in process.stderr.splitlines() if "skipped" in line]
+    assert "scan-bomb.jpg: took more than 2 s to decode" in line
+    assert len(open_pack(target)) == 3
+    assert seconds < 60  # stopped, not decoded for minutes (a bound far above the limit)
+
+
+def test_an_image_that_kills_its_worker_is_retried_then_skipped(tmp_path):
+    """A worker killed while encoding one sample (as the OOM killer would): replaced, the
+    sample tried once more, then skipped naming the signal; every other sample is packed."""
+    summary = pack(_KillsAt(5, n=12), tmp_path / "out.lmdb", store="raw", workers=2)
+    assert summary.count == 11
+    ((where, reason),) = summary.skipped
+    assert where == "5" and "died decoding it, 2 times: killed by SIGKILL" in reason
+    dataset = open_pack(tmp_path / "out.lmdb", decode="numpy")
+    assert [int(dataset[i][0][0, 0, 0]) for i in range(11)] == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11]
+
+
+class _KillsAt(ImageDataset):
+    def __init__(self, at: int, n: int) -> None:
+        super().__init__("hwc", n)
+        self.at = at
+
+    def __getitem__(self, index: int):
+        if index == self.at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return np.full((8, 8, 3), index, np.uint8), 0
+
+
+# --- Pillow decides -----------------------------------------------------------------------
+
+
+def test_jpegs_pillow_loads_despite_a_libjpeg_warning_are_packed(tmp_path):
+    good = _jpeg(seed=3)
+    files = {
+        "junk-before-a-marker.jpg": _insert_before(good, b"\xff\xdb", b"\x12\x34\x56"),
+        "padding-before-the-end.jpg": good[:-2] + b"\x00" * 16 + good[-2:],
+        "bad-icc-marker.jpg": _bad_icc(good),
+        "damaged-scan-data.jpg": _damaged_scan(good),
+    }
+    assert [_pillow_loads(data) for data in files.values()] == [True, True, True, False]
+    source = tmp_path / "src"
+    (source / "a").mkdir(parents=True)
+    for name, data in files.items():
+        (source / "a" / name).write_bytes(data)
+    for store in ("encoded", "raw"):
+        summary = pack(source, tmp_path / f"{store}.lmdb", store=store, workers=0)
+        assert summary.count == 3
+        assert [Path(where).name for where, _ in summary.skipped] == ["damaged-scan-data.jpg"]
