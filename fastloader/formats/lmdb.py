@@ -252,13 +252,30 @@ class LMDBPack(PackFile):
                 raise PackError(f"{self.path}: damaged source path of record {position}")
             return bytes(blob[start:end])
 
-    def _read_each(self, handle: _Env, indices: Sequence[int], use: Callable) -> list:
-        # Records are views into fastloader's own map of the file, located and checked by
-        # RecordSpans (NOTE [ Record spans ]); py-lmdb reads only the metadata and labels.
+    def _record_spans(self, handle: _Env, positions: Sequence[int]) -> tuple[mmap.mmap, list]:
+        # For read advice (formats/advice.py): the records' spans in our own map, as read below.
+        spans = self._spans(handle)
+        found = []
+        for index in positions:
+            try:
+                span = spans.span(index)
+            except LeafDamaged:
+                continue  # the read raises, naming it
+            if span:
+                found.append(span)
+        return handle.file, found
+
+    def _spans(self, handle: _Env) -> RecordSpans:
         spans = handle.spans.get("records")
         if spans is None:
             spans = RecordSpans(handle.file, handle.psize, handle.root, len(self.targets))
             handle.spans["records"] = spans
+        return spans
+
+    def _read_each(self, handle: _Env, indices: Sequence[int], use: Callable) -> list:
+        # Records are views into fastloader's own map of the file, located and checked by
+        # RecordSpans (NOTE [ Record spans ]); py-lmdb reads only the metadata and labels.
+        spans = self._spans(handle)
         results = []
         for index in indices:
             try:
