@@ -86,8 +86,9 @@ class ReadAdvice:
     ) -> None:
         """Advise ``file`` (an ``mmap.mmap``) before records at ``positions`` are read.
 
-        ``spans`` are the records' (offset in ``file``, length); ``positions`` their indices in
-        the pack (which tell whether the order is random). Errors from ``madvise`` (a closed map,
+        ``spans`` are the records' (offset in ``file``, length), iterated only after the map's
+        access advice is set (finding a span may touch the map); ``positions`` their indices
+        in the pack (which tell whether the order is random). Errors from ``madvise`` (a closed map,
         an old kernel) are ignored: advice is only a hint.
         """
         if not _HAS_MADVISE:
