@@ -258,8 +258,9 @@ class Row:
 
 def measure(row: Row, order: Sequence[int]) -> tuple[float, float | None]:
     """(samples/s, bytes read from storage per sample) of one cold pass over ``order``."""
+    dataset = row.make()  # opened where a training script opens it: before its workers
     evict([row.files])
-    loader = row.loader(row.make(), order)
+    loader = row.loader(dataset, order)
     iterator = iter(loader)
     first = next(iterator)
     started = time.perf_counter()

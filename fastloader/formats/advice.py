@@ -38,7 +38,7 @@ from typing import Any
 _PAGE = mmap.PAGESIZE
 _CHUNK = 128 << 10  # Linux's default read_ahead_kb: one WILLNEED call is capped near it
 _NEAR = 64  # a step of 1.._NEAR records forward counts as sequential (workers interleave)
-_WINDOW = 256  # the steps the order is judged over
+_WINDOW = 128  # the steps the order is judged over (two batches of 64)
 _SEQUENTIAL_SHARE = 0.5  # at least this share of sequential steps: read-ahead stays on
 
 _HAS_MADVISE = hasattr(mmap.mmap, "madvise") and hasattr(mmap, "MADV_RANDOM")
@@ -119,8 +119,8 @@ def page_ranges(spans: Iterable[tuple[int, int]], size: int) -> list[tuple[int, 
     for offset, length in spans:
         if length <= 0 or offset < 0 or offset + length > size:
             continue
-        start = offset - offset % _PAGE
-        pages.append((start, min(size, offset + length)))
+        end = offset + length
+        pages.append((offset - offset % _PAGE, min(size, end + -end % _PAGE)))
     pages.sort()
     merged: list[list[int]] = []
     for start, end in pages:
