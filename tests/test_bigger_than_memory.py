@@ -97,10 +97,29 @@ def test_sequential_reading_keeps_read_ahead(pack, madvise_calls):
     assert [call[0] for call in madvise_calls].count(mmap.MADV_RANDOM) == 1
     for _ in range(6):  # back in order: read-ahead again
         pack.__getitems__(list(range(0, 64)))
-    assert madvise_calls[-1][0] == mmap.MADV_WILLNEED
     assert [call[0] for call in madvise_calls if call[0] != mmap.MADV_WILLNEED][-1] == (
         mmap.MADV_NORMAL
     )
+
+
+def test_willneed_pauses_while_cached_and_resumes_when_reads_miss(monkeypatch):
+    counters = {"faults": 0, "read": 0}
+    monkeypatch.setattr(advice_module, "_thread_major_faults", lambda: counters["faults"])
+    monkeypatch.setattr(advice_module, "_thread_read_bytes", lambda: counters["read"])
+    calls = []
+    monkeypatch.setattr(
+        advice_module, "_madvise", lambda file, option, *where: calls.append(option)
+    )
+    advice, file = ReadAdvice(), bytearray(1 << 20)
+    batches = [list(range(start, start + 8)) for start in range(0, 800, 8)]
+    for batch in batches[:4]:  # WILLNEED reads nothing: the pack is cached
+        advice.before_read(file, batch, [(0, 100)])
+    assert calls.count(mmap.MADV_WILLNEED) == 4 and advice.willneed_paused
+    advice.before_read(file, batches[4], [(0, 100)])
+    assert calls.count(mmap.MADV_WILLNEED) == 4  # paused
+    counters["faults"] += 3  # the last batch's reads waited for storage
+    advice.before_read(file, batches[5], [(0, 100)])
+    assert calls.count(mmap.MADV_WILLNEED) == 5 and not advice.willneed_paused
 
 
 def test_read_advice_off_advises_nothing(pack, madvise_calls):
