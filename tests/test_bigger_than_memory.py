@@ -338,3 +338,56 @@ def test_random_reads_of_an_evicted_pack_read_about_the_records_only(tmp_path, f
     per_sample = (read_counters().read_bytes - before) / 96
     dataset.close()
     assert per_sample <= 1.5 * record + 2 * PAGE
+
+
+# --- LMDB leaves parsed with NumPy ------------------------------------------------------------
+def _spans_both_ways(file: bytes, monkeypatch, count: int) -> list:
+    from fastloader.formats import lmdb_checks
+
+    psize = 4096
+    outcomes = []
+    real = lmdb_checks._record_leaf
+    for parse in (real, lambda page: None):  # NumPy, then node by node
+        monkeypatch.setattr(lmdb_checks, "_record_leaf", parse)
+        spans = lmdb_checks.RecordSpans(file, psize, _ROOT[0], count)
+        seen = []
+        for index in range(count):
+            try:
+                seen.append(spans.span(index))
+            except lmdb_checks.LeafDamaged:
+                seen.append("damaged")
+        outcomes.append((seen, spans._spans.copy()))
+    return outcomes
+
+
+_ROOT = [0]
+
+
+def test_numpy_leaf_parsing_decides_as_node_by_node(tmp_path, monkeypatch):
+    from fastloader.formats.lmdb_checks import check_lmdb_file
+
+    path = tmp_path / "small.lmdb"
+    with open_writer(path, "lmdb", store="raw", classes=["a", "b"]) as writer:
+        for index in range(1500):
+            pixels = np.full((2, 5, 3), index % 256, np.uint8)
+            writer.append(encode_record(pixels, index % 2, RecordKind.RAW), index % 2)
+    data = path.read_bytes()
+    psize, _ROOT[0] = check_lmdb_file(path, len(data))
+    assert psize == 4096
+    fast, slow = _spans_both_ways(data, monkeypatch, 1500)
+    assert fast[0] == slow[0] and np.array_equal(fast[1], slow[1])
+    pristine = fast[0]
+    assert all(isinstance(span, tuple) for span in fast[0])
+    leaves = [p for p in range(2, len(data) // psize) if data[p * psize + 10] & 0x02]
+    rng = np.random.default_rng(0)
+    changed = 0
+    for trial in range(40):  # damaged leaves: the same records refused, the same spans kept
+        damaged = bytearray(data)
+        page = int(rng.choice(leaves))
+        for _ in range(int(rng.integers(1, 4))):  # node offsets and headers, or anywhere
+            at = page * psize + int(rng.integers(10, 300 if trial % 2 else psize))
+            damaged[at] = int(rng.integers(0, 256))
+        fast, slow = _spans_both_ways(bytes(damaged), monkeypatch, 1500)
+        assert fast[0] == slow[0] and np.array_equal(fast[1], slow[1])
+        changed += fast[0] != pristine
+    assert changed >= 10  # the damage reached what is checked
