@@ -15,7 +15,9 @@ rows, ratios and notes (see ``report.py`` for the shape):
 - ``cli_startup``: how fast ``fastloader-pack`` answers (``--help``, ``--info``, a usage
   error) and how much of a small pack's wall time is not packing;
 - ``supervision``: time from a worker's death to the next batch, throughput with and without
-  worker supervision.
+  worker supervision;
+- ``oom``: packs vs files read from cold storage (evicted from the page cache, in a memory
+  cgroup where possible), with and without the packs' read advice.
 
 The data is made at run time from the photos scikit-image ships (``_photos.py``).
 """
@@ -30,5 +32,6 @@ COMPARISONS = (
     "distributed",
     "cli_startup",
     "supervision",
+    "oom",
 )
 SIZES = ("tiny", "quick", "full")

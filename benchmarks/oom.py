@@ -402,6 +402,7 @@ def run(
     for row in rows:
         kind = "encoded" if "encoded" in row.name else "jpeg" if "JPEG" in row.name else "raw"
         read = statistics.median(row.read_per_sample) if row.read_per_sample else None
+        read = read or None  # 0: reads do not show here (tmpfs, or eviction impossible)
         baseline = "torch, JPEG files" if kind in ("encoded", "jpeg") else "torch, .npy files"
         table.append(
             {
