@@ -44,7 +44,13 @@ def pack(request, tmp_path):
 
 
 @pytest.fixture
-def madvise_calls(monkeypatch):
+def small_memory(monkeypatch):
+    """As if the page cache could hold 64 KB: every pack here is bigger than memory."""
+    monkeypatch.setattr(advice_module, "memory_for_cache", lambda: 64 << 10)
+
+
+@pytest.fixture
+def madvise_calls(monkeypatch, small_memory):
     calls = []
     real = advice_module._madvise
 
@@ -102,7 +108,7 @@ def test_sequential_reading_keeps_read_ahead(pack, madvise_calls):
     )
 
 
-def test_willneed_pauses_while_cached_and_resumes_when_reads_miss(monkeypatch):
+def test_willneed_pauses_while_cached_and_resumes_when_reads_miss(monkeypatch, small_memory):
     counters = {"faults": 0, "read": 0}
     monkeypatch.setattr(advice_module, "_thread_major_faults", lambda: counters["faults"])
     monkeypatch.setattr(advice_module, "_thread_read_bytes", lambda: counters["read"])
@@ -110,7 +116,7 @@ def test_willneed_pauses_while_cached_and_resumes_when_reads_miss(monkeypatch):
     monkeypatch.setattr(
         advice_module, "_madvise", lambda file, option, *where: calls.append(option)
     )
-    advice, file = ReadAdvice(), bytearray(1 << 20)
+    advice, file = ReadAdvice(), bytearray(1 << 20)  # 1 MB: bigger than the 64 KB "memory"
     batches = [list(range(start, start + 8)) for start in range(0, 800, 8)]
     for batch in batches[:4]:  # WILLNEED reads nothing: the pack is cached
         advice.before_read(file, batch, [(0, 100)])
@@ -122,13 +128,28 @@ def test_willneed_pauses_while_cached_and_resumes_when_reads_miss(monkeypatch):
     assert calls.count(mmap.MADV_WILLNEED) == 5 and not advice.willneed_paused
 
 
+def test_a_pack_that_fits_in_memory_keeps_the_kernels_read_ahead(pack, monkeypatch):
+    calls = []
+    monkeypatch.setattr(advice_module, "_madvise", lambda *args: calls.append(args))
+    monkeypatch.setattr(advice_module, "memory_for_cache", lambda: 1 << 40)
+    pack.__getitems__(np.random.default_rng(2).permutation(len(pack))[:64].tolist())
+    assert calls == [] and pack._advice[1].bigger_than_memory is False
+
+
+def test_memory_for_cache_is_sane():
+    memory = advice_module.memory_for_cache()
+    if memory is None:
+        pytest.skip("no /proc/meminfo here")
+    assert 1 << 20 < memory < 1 << 50
+
+
 def test_read_advice_off_advises_nothing(pack, madvise_calls):
     pack.read_advice = False
     pack.__getitems__(np.random.default_rng(2).permutation(len(pack))[:64].tolist())
     assert madvise_calls == []
 
 
-def test_shuffled_loader_with_workers_reads_every_record_intact(pack):
+def test_shuffled_loader_with_workers_reads_every_record_intact(pack, small_memory):
     pack.transform = None
     loader = DataLoader(pack, batch_size=32, shuffle=True, num_workers=2, seed=3)
     seen = []
@@ -317,7 +338,7 @@ def _evict(path) -> None:
 
 @needs_proc_io
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_random_reads_of_an_evicted_pack_read_about_the_records_only(tmp_path, fmt):
+def test_random_reads_of_an_evicted_pack_read_about_the_records_only(tmp_path, fmt, small_memory):
     suffix, reader = FORMATS[fmt]
     path = tmp_path / f"big{suffix}"
     shape = (100, 120, 3)  # 36 KB records; 6 MB: several read-ahead windows

@@ -24,6 +24,11 @@ pack replaced. Two pieces of advice fix it, both decided per process from the in
    size (``max(io_pages, ra_pages)`` pages), so ranges are advised in chunks of at most
    ``_CHUNK`` bytes (the smallest usual read-ahead).
 
+Neither applies to a pack that fits in the page cache with room to spare (up to half the
+memory available to this process's page cache: ``memory_for_cache``, cgroup limits included):
+there the read-ahead window's other records stay cached until they are read, so the kernel's
+large reads are the fastest way through a cold pack, and a warm one needs no advice.
+
 Nothing here changes which bytes are read as a record, nor their checksums: advice only says
 when pages come in. It is best effort: a map or platform without ``madvise`` reads as before.
 """
@@ -33,6 +38,7 @@ from __future__ import annotations
 import mmap
 from collections import deque
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,6 +54,7 @@ _NEAR = 64  # a step of 1.._NEAR records forward counts as sequential (workers i
 _WINDOW = 128  # the steps the order is judged over (two batches of 64)
 _SEQUENTIAL_SHARE = 0.5  # at least this share of sequential steps: read-ahead stays on
 _CACHED_BATCHES = 4  # batches whose WILLNEED read nothing before it is paused
+_FITS_SHARE = 0.5  # a map up to this share of the memory left for the page cache: no advice
 
 _HAS_MADVISE = hasattr(mmap.mmap, "madvise") and hasattr(mmap, "MADV_RANDOM")
 _RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)
@@ -70,6 +77,47 @@ def _thread_read_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def memory_for_cache() -> int | None:
+    """Bytes the page cache can hold for this process: ``MemAvailable`` of /proc/meminfo,
+    lowered to the smallest limit of the memory cgroups above it (v1 ``memory.limit_in_bytes``
+    or v2 ``memory.max``, every level); None where none of it can be read (not Linux)."""
+    found = []
+    try:
+        with open("/proc/meminfo", "rb") as file:
+            for line in file:
+                if line.startswith(b"MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/proc/self/cgroup") as file:
+            lines = file.read().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2
+            found += _cgroup_limits(Path("/sys/fs/cgroup"), path, "memory.max")
+        elif "memory" in controllers.split(","):
+            found += _cgroup_limits(Path("/sys/fs/cgroup/memory"), path, "memory.limit_in_bytes")
+    return min(found) if found else None
+
+
+def _cgroup_limits(root: Path, path: str, name: str) -> list[int]:
+    limits = []
+    group = root / path.lstrip("/")
+    for folder in (group, *group.parents):
+        try:
+            text = (folder / name).read_text().strip()
+        except OSError:
+            text = ""
+        if text.isdigit():
+            limits.append(int(text))
+        if folder == root:
+            break
+    return limits
 
 
 # NOTE [ WILLNEED only while reads miss ]
@@ -100,6 +148,7 @@ class ReadAdvice:
         self.random_access = random_access
         self.random = False  # whether MADV_RANDOM is in force on the map
         self.willneed_paused = False  # see NOTE [ WILLNEED only while reads miss ]
+        self.bigger_than_memory: bool | None = None  # decided at the first read
         self._batches: deque[tuple[int, int]] = deque()  # (steps, sequential steps) per call
         self._steps = 0
         self._sequential = 0
@@ -141,6 +190,11 @@ class ReadAdvice:
         """
         if not _HAS_MADVISE:
             return
+        if self.bigger_than_memory is None:
+            memory = memory_for_cache()
+            self.bigger_than_memory = memory is None or len(file) > _FITS_SHARE * memory
+        if not self.bigger_than_memory:
+            return  # the kernel's read-ahead serves a pack the page cache can keep
         random = self.observe(positions)
         try:
             if self.random_access and random != self.random:
