@@ -13,6 +13,8 @@ samples (``sequential``):
 - ``LMDB raw pack``: ``fastloader.DataLoader`` over an LMDB pack of the same pixels, random and
   sequential, with the pack's read advice (NOTE [ Read advice for packs bigger than memory ] in
   fastloader/formats/advice.py) and without it (``read_advice=False``: as before issue 23);
+- ``LMDB raw pack, block shuffle``: the first samples of ``BlockShuffleSampler``'s order
+  (blocks of 64 records, shuffled within windows of 8 blocks), for slow storage;
 - ``torch, JPEG files`` and ``LMDB encoded pack``: the same for JPEG files decoded by PIL
   (torch) and a pack of the same JPEG bytes (fastloader's fused decoding);
 - with ``--hdf5``, the raw pack in HDF5 too.
@@ -56,6 +58,7 @@ from torch.utils.data import Dataset
 
 from benchmarks._photos import source_photos
 from fastloader._io_probe import sum_counters
+from fastloader.samplers import BlockShuffleSampler
 
 SHAPE = (256, 341, 3)  # ImageNet at short side 256: 262 KB of pixels
 CROP = 224
@@ -254,9 +257,11 @@ class Row:
         make: Callable[[], Dataset],
         loader: Callable[[Dataset, Sequence[int]], Any],
         sequential: bool = False,
+        blocks: bool = False,
     ) -> None:
         self.name, self.files, self.make, self.loader = name, files, make, loader
         self.sequential = sequential
+        self.blocks = blocks  # the order of fastloader's BlockShuffleSampler (64 x 8)
         self.rates: list[float] = []
         self.read_per_sample: list[float] = []
 
@@ -322,6 +327,9 @@ def _rows(paths: dict[str, Path]) -> list[Row]:
         Row("LMDB raw pack", raw, lambda: _pack(raw, True), _fast_loader),
         Row("LMDB raw pack, no read advice", raw, lambda: _pack(raw, False), _fast_loader),
         Row("LMDB raw pack, sequential", raw, lambda: _pack(raw, True), _fast_loader, True),
+        Row(
+            "LMDB raw pack, block shuffle", raw, lambda: _pack(raw, True), _fast_loader, blocks=True
+        ),
         Row("torch, JPEG files", paths["jpeg"], lambda: JpegFiles(paths["jpeg"]), _torch_loader),
         Row("LMDB encoded pack", encoded, lambda: _pack(encoded, True), _fast_loader),
         Row(
@@ -394,8 +402,13 @@ def run(
             random_order = rng.choice(count, samples, replace=False).tolist()
             start = int(rng.integers(0, count - samples + 1))
             sequential_order = list(range(start, start + samples))
+            block_sampler = BlockShuffleSampler(range(count), seed=round_)
+            block_order = block_sampler.epoch_order()[:samples].tolist()
             for row in rows:
-                rate, read = measure(row, sequential_order if row.sequential else random_order)
+                order = random_order
+                if row.sequential or row.blocks:
+                    order = sequential_order if row.sequential else block_order
+                rate, read = measure(row, order)
                 row.rates.append(rate)
                 if read is not None:
                     row.read_per_sample.append(read)
@@ -416,7 +429,7 @@ def run(
         table.append(
             {
                 "reader": row.name,
-                "order": "sequential" if row.sequential else "random",
+                "order": "sequential" if row.sequential else "blocks" if row.blocks else "random",
                 "samples_per_s": statistics.median(row.rates),
                 "vs_torch_files": _ratio(by_name, row.name, baseline),
                 "read_kib_per_sample": None if read is None else read / 1024,
