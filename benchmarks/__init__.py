@@ -18,6 +18,8 @@ rows, ratios and notes (see ``report.py`` for the shape):
   worker supervision;
 - ``cheap``: samples that cost microseconds (an index, CIFAR-like tensors, token windows from a
   memmap) and the loaders' own cost per batch, with 0 and 2 workers.
+- ``oom``: packs vs files read from cold storage (evicted from the page cache, in a memory
+  cgroup where possible), with and without the packs' read advice.
 
 The data is made at run time from the photos scikit-image ships (``_photos.py``).
 """
@@ -33,5 +35,6 @@ COMPARISONS = (
     "cli_startup",
     "supervision",
     "cheap",
+    "oom",
 )
 SIZES = ("tiny", "quick", "full")

@@ -91,6 +91,7 @@ class PackedDataset(PackFile, Dataset):
             return self._load(position, buffer)
 
         positions = [self._position(index) for index in indices]
+        self.advise_records(positions)  # NOTE [ Read advice for packs bigger than memory ]
         return self._read_each(self._handle_here(), positions, load)
 
     def _load(self, position: int, buffer: Any) -> tuple[Any, Any]:

@@ -24,11 +24,13 @@ HDF5's read path.
 
 from __future__ import annotations
 
+import mmap
 import os
 import tempfile
 from array import array
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -173,6 +175,21 @@ class HDF5Pack(PackFile):
         if not 0 <= start <= end <= len(handle.maps["sources"]):
             raise PackError(f"{self.path}: damaged source path of record {position}")
         return handle.maps["sources"][start:end].tobytes()
+
+    def _record_spans(
+        self, handle: _Handle, positions: Sequence[int]
+    ) -> tuple[mmap.mmap, Any] | None:
+        # For read advice (formats/advice.py): the records' spans in the map numpy made of the
+        # records block, which starts ``base`` bytes into that map (an aligned offset).
+        records = handle.maps["records"]
+        file = getattr(records, "_mmap", None)
+        if file is None:  # an empty block: nothing to advise
+            return None
+        base = records.ctypes.data - np.frombuffer(file, np.uint8).ctypes.data
+        at = np.asarray(positions, dtype=np.int64)
+        starts = self._offsets[at]
+        lengths = self._offsets[at + 1] - starts
+        return file, zip((starts + base).tolist(), lengths.tolist(), strict=True)
 
     def _read_each(self, handle: _Handle, indices: Sequence[int], use: Callable) -> list:
         records = memoryview(handle.maps["records"])  # slices: plain views, no memmap objects

@@ -11,7 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -252,13 +252,36 @@ class LMDBPack(PackFile):
                 raise PackError(f"{self.path}: damaged source path of record {position}")
             return bytes(blob[start:end])
 
-    def _read_each(self, handle: _Env, indices: Sequence[int], use: Callable) -> list:
-        # Records are views into fastloader's own map of the file, located and checked by
-        # RecordSpans (NOTE [ Record spans ]); py-lmdb reads only the metadata and labels.
+    def _record_spans(
+        self, handle: _Env, positions: Sequence[int]
+    ) -> tuple[mmap.mmap, Iterator[tuple[int, int]]]:
+        # For read advice (formats/advice.py): the records' spans in our own map, as read below.
+        # Lazy: finding a span may fault in its leaf page, which must come after the map's
+        # MADV_RANDOM (NOTE [ Read advice for packs bigger than memory ]).
+        spans = self._spans(handle)
+
+        def found() -> Iterator[tuple[int, int]]:
+            for index in positions:
+                try:
+                    span = spans.span(index)
+                except LeafDamaged:
+                    continue  # the read raises, naming it
+                if span:
+                    yield span
+
+        return handle.file, found()
+
+    def _spans(self, handle: _Env) -> RecordSpans:
         spans = handle.spans.get("records")
         if spans is None:
             spans = RecordSpans(handle.file, handle.psize, handle.root, len(self.targets))
             handle.spans["records"] = spans
+        return spans
+
+    def _read_each(self, handle: _Env, indices: Sequence[int], use: Callable) -> list:
+        # Records are views into fastloader's own map of the file, located and checked by
+        # RecordSpans (NOTE [ Record spans ]); py-lmdb reads only the metadata and labels.
+        spans = self._spans(handle)
         results = []
         for index in indices:
             try:

@@ -172,17 +172,53 @@ class RecordSpans:
         base = found.page[1]
         if base not in self._parsed:
             self._parsed.add(base)
-            keys = _keys(found.page)
-            if keys is not None and not _in_sequence(keys):
-                self._out_of_sequence.add(base)
-            elif keys is not None and all(self._sorted(branch) for branch in found.branches):
-                self._cache_leaf(found, keys)
+            self._parse_leaf(found)
         if base in self._out_of_sequence:
             raise LeafDamaged(
                 f"the record keys of its leaf page {base // self._psize} are out of sequence"
             )
         span = _value_span(found.page, found.node)
         return False if span is None else span
+
+    def _parse_leaf(self, found: _Found) -> None:
+        # Once per leaf page: see NOTE [ Record spans ] and NOTE [ Leaves parsed with NumPy ].
+        table = _record_leaf(found.page)
+        if table is not None:
+            keys, starts, sizes = table
+            if len(keys) > 1 and not np.all(np.diff(keys) == 1):
+                self._out_of_sequence.add(found.page[1])
+            elif all(self._sorted(branch) for branch in found.branches):
+                self._cache_table(found, keys, starts, sizes)
+            return
+        keys = _keys(found.page)
+        if keys is not None and not _in_sequence(keys):
+            self._out_of_sequence.add(found.page[1])
+        elif keys is not None and all(self._sorted(branch) for branch in found.branches):
+            self._cache_leaf(found, keys)
+
+    def _cache_table(
+        self, found: _Found, keys: np.ndarray, starts: np.ndarray, sizes: np.ndarray
+    ) -> None:
+        # What _cache_leaf does, for a leaf of record keys only, with NumPy.
+        low = _lowest_key_from(found.low)
+        high = min(len(self._spans), _lowest_key_from(found.high) if found.high else 1 << 64)
+        if low >= high:
+            return
+        keep = (keys >= np.uint64(low)) & (keys < np.uint64(high))
+        if not keep.any():
+            return
+        index = keys[keep].astype(np.int64)
+        starts, sizes = starts[keep], sizes[keep]
+        fresh = self._spans[index] == 0  # nothing is overwritten
+        outside = starts < 0
+        fits = ~outside & (starts <= _MAX_OFFSET) & (sizes <= _MAX_SIZE)
+        entries = np.zeros(len(index), dtype=np.uint64)
+        entries[outside] = _OUTSIDE
+        entries[fits] = sizes[fits].astype(np.uint64) << np.uint64(_OFFSET_BITS) | (
+            starts[fits].astype(np.uint64) + np.uint64(1)
+        )
+        write = fresh & (outside | fits)
+        self._spans[index[write]] = entries[write]
 
     def _sorted(self, branch: tuple) -> bool:
         # Whether a branch page's keys (after node 0's) strictly increase: only then does the
@@ -213,6 +249,56 @@ class RecordSpans:
                 self._spans[index] = _OUTSIDE
             elif span[0] <= _MAX_OFFSET and span[1] <= _MAX_SIZE:
                 self._spans[index] = span[1] << _OFFSET_BITS | (span[0] + 1)
+
+
+# NOTE [ Leaves parsed with NumPy ]
+# Parsing a leaf node by node in Python cost about 35 us per small record on a first pass over
+# a pack of small in-leaf records (18.5k samples/s against 42.4k once every leaf was cached, in
+# issue 23). A leaf whose nodes all hold 8-byte keys (every leaf of a pack but the one with its
+# own longer keys) is parsed at once: node offsets, headers, keys and overflow page numbers are
+# gathered as arrays and checked with the same rules as ``_node``, ``_value_span`` and
+# ``_in_sequence``; any node that does not fit those rules (outside its page, another key size)
+# sends the whole leaf down the node-by-node path, which decides as before.
+
+
+def _record_leaf(page: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(keys as uint64, value offsets, value sizes) of a leaf of 8-byte keys; an offset of -1
+    where the value lies outside the file. None if any node has another key size or lies
+    outside the page: then it is parsed node by node. See NOTE [ Leaves parsed with NumPy ]."""
+    file, base, offsets, lower, psize = page
+    at = np.array(offsets, dtype=np.int64)
+    if at.size == 0 or np.any(at < lower) or np.any(at + _NODE.size + _PGNO.size > psize):
+        return None
+    raw = np.frombuffer(file, np.uint8, psize, base)
+    fields = raw[at[:, None] + np.arange(_NODE.size)].view("<u2")  # lo, hi, flags, key size
+    if np.any(fields[:, 3] != _PGNO.size):
+        return None
+    key_at = at + _NODE.size
+    keys = raw[key_at[:, None] + np.arange(8)].view(">u8")[:, 0].astype(np.uint64)
+    sizes = fields[:, 0].astype(np.int64) | fields[:, 1].astype(np.int64) << 16
+    data_at = key_at + _PGNO.size
+    big = (fields[:, 2] & _F_BIGDATA) != 0
+    starts = np.where(~big & (data_at + sizes <= psize), base + data_at, -1)
+    pointer = big & (data_at + _PGNO.size <= psize)
+    if pointer.any():
+        where = data_at[pointer]
+        overflow = raw[where[:, None] + np.arange(8)].view("<u8")[:, 0]
+        pages = len(file) // psize
+        inside = overflow < np.uint64(pages)
+        start = np.where(inside, overflow.astype(np.int64) * psize + _HEADER, 0)  # no overflow
+        inside &= start + sizes[pointer] <= len(file)
+        starts[pointer] = np.where(inside, start, -1)
+    return keys, starts, sizes
+
+
+def _lowest_key_from(bound: bytes | None) -> int:
+    """The smallest u64 whose 8-byte big-endian key is not below ``bound`` (bytes order), so
+    that ``key >= bound`` reads ``number >= _lowest_key_from(bound)``; 2**64 if none is."""
+    if bound is None:
+        return 0
+    if len(bound) <= 8:
+        return int.from_bytes(bound.ljust(8, b"\0"), "big")
+    return int.from_bytes(bound[:8], "big") + 1  # an 8-byte prefix sorts before the bound
 
 
 class LeafDamaged(Exception):

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from fastloader.formats.advice import ReadAdvice
 from fastloader.formats.metadata import array_checksum, dump_metadata, make_metadata
 from fastloader.formats.records import (
     HEADER_SIZE,
@@ -96,6 +97,9 @@ class PackFile:
     """
 
     backend = ""
+    #: Advise the pack's memory map for the order it is read in (NOTE [ Read advice for packs
+    #: bigger than memory ] in formats/advice.py); set False on a dataset to read without.
+    read_advice = True
 
     def __init__(self, path: str | os.PathLike, *, verify_checksums: bool = True) -> None:
         self.path = Path(path)
@@ -136,6 +140,11 @@ class PackFile:
     def _close_handle(self, handle: Any) -> None:
         handle.close()
 
+    def _record_spans(self, handle: Any, positions: Sequence[int]) -> tuple[Any, Any] | None:
+        """``(mmap, spans)``: the map records are read from and each record's (offset in it,
+        length), for read advice; None where the backend reads no such map."""
+        return None
+
     # --- reading -------------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self.targets)
@@ -170,17 +179,38 @@ class PackFile:
         except UnicodeDecodeError:  # pragma: no cover - surrogateescape decodes any bytes
             raise PackError(f"{self.path}: damaged source path of record {position}") from None
 
+    def advise_records(self, positions: Sequence[int]) -> None:
+        """Advise the pack's map before records ``positions`` (checked, non-negative) are read.
+
+        See NOTE [ Read advice for packs bigger than memory ] in formats/advice.py: random
+        orders read only each record's pages, and a batch's records are asked for at once.
+        Does nothing when ``read_advice`` is False. Never raises for a damaged record (its read
+        does).
+        """
+        if not self.read_advice or not positions:
+            return
+        handle = self._handle_here()
+        current = self.__dict__.get("_advice")
+        if current is None or current[0] is not handle:  # a new handle maps the file anew
+            current = (handle, ReadAdvice())
+            self._advice = current
+        target = self._record_spans(handle, positions)
+        if target is not None:
+            current[1].before_read(target[0], positions, target[1])
+
     def close(self) -> None:
         """Close the file in this process (it reopens on the next read)."""
         if self._handle is not None and self._pid == os.getpid():
             self._close_handle(self._handle)
         self._handle = None
         self._pid = None
+        self._advice = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_handle"] = None
         state["_pid"] = None
+        state["_advice"] = None  # holds the handle
         return state
 
     def __del__(self) -> None:
