@@ -29,12 +29,12 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from benchmarks import COMPARISONS, SIZES, report
-from benchmarks._photos import source_photos
 from benchmarks._progress import Stage
+
+# torch, NumPy and the photos come in with machine_info(), after the arguments are parsed, so
+# that `--help` and usage errors answer at once (see NOTE [ Fast command start-up ] in
+# fastloader/cli.py).
 
 #: Seconds each comparison took on the shared 2-core box (for the progress bars; rounded up).
 #: A comparison not listed shows its elapsed time only.
@@ -82,6 +82,11 @@ def parse_args(
 
 def machine_info() -> dict:
     """What ran the suite: CPUs, platform, versions, date, and where the photos came from."""
+    import numpy as np
+    import torch
+
+    from benchmarks._photos import source_photos
+
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {
         "cpu_count": os.cpu_count(),

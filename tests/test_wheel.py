@@ -1,0 +1,120 @@
+"""The wheel works outside the checkout: built from the tracked files (no network), installed
+into a fresh virtual environment, used from a folder where the checkout is not importable.
+
+The environment sees the system's packages (``--system-site-packages``: torch is not
+installed again), so the test asserts that ``fastloader`` is imported from the wheel's files.
+It also covers the "namespace package" trap: a folder named ``fastloader`` in the current
+directory (a clone, from the folder that holds it) must not shadow the installed package.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ("pyproject.toml", "setup.cfg", "README.md", "fastloader")
+
+
+def _run(args: list, cwd: Path, ok: bool = True) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env["PIP_NO_INDEX"] = "1"  # offline: everything needed is here
+    done = subprocess.run(
+        [str(arg) for arg in args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+    if ok:
+        assert done.returncode == 0, f"{args}:\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh venv with the wheel of this checkout installed; returns its bin/ folder."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    source = tmp / "source"  # a copy: building leaves build/ and *.egg-info behind
+    for name in SOURCES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(
+                ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__")
+            )
+        elif (ROOT / name).exists():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / name, source / name)
+    dist = tmp / "dist"
+    _run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", dist,
+         source],
+        tmp,
+    )  # fmt: skip
+    (wheel,) = dist.glob("fastloader-*.whl")
+    _run(
+        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", tmp / "venv"], tmp
+    )
+    bin_ = tmp / "venv" / "bin"
+    _run([bin_ / "python", "-m", "pip", "install", "--no-deps", "--quiet", wheel], tmp)
+    return bin_
+
+
+@pytest.fixture
+def elsewhere(tmp_path: Path) -> Path:
+    """A working folder that holds an empty ``fastloader`` folder, as a clone's parent does."""
+    (tmp_path / "fastloader").mkdir()
+    return tmp_path
+
+
+@pytest.mark.slow
+def test_the_installed_package_is_the_wheels_not_a_folder_here(venv: Path, elsewhere: Path) -> None:
+    code = "import fastloader; print(fastloader.__file__); print(fastloader.DataLoader.__name__)"
+    out = _run([venv / "python", "-c", code], elsewhere).stdout.split()
+    assert Path(out[0]).is_relative_to(venv.parent) and out[1] == "DataLoader"
+
+
+@pytest.mark.slow
+def test_version_and_every_console_command(venv: Path, elsewhere: Path) -> None:
+    from fastloader import __version__
+
+    for command in ("fastloader", "fastloader-pack"):
+        assert (
+            _run([venv / command, "--version"], elsewhere).stdout == f"fastloader {__version__}\n"
+        )
+        assert "usage:" in _run([venv / command, "--help"], elsewhere).stdout
+    folder = elsewhere / "photos"
+    for label in ("a", "b"):
+        (folder / label).mkdir(parents=True)
+        for index in range(3):
+            pixels = np.random.default_rng(index).integers(0, 256, (20, 24, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(folder / label / f"{index}.jpg")
+    assert "packed 6 images" in _run([venv / "fastloader-pack", folder, "a.lmdb"], elsewhere).stdout
+    assert (
+        "packed 6 images" in _run([venv / "fastloader", "pack", folder, "b.h5"], elsewhere).stdout
+    )
+    assert "count:    6" in _run([venv / "fastloader", "info", "b.h5"], elsewhere).stdout
+    _run([venv / "fastloader", "verify", "--quiet", "a.lmdb"], elsewhere)
+    _run([venv / "fastloader-pack", "--verify", "b.h5"], elsewhere)
+    read = "from fastloader import LMDBDataset; print(len(LMDBDataset('a.lmdb')))"
+    assert _run([venv / "python", "-c", read], elsewhere).stdout == "6\n"
+
+
+@pytest.mark.slow
+def test_bench_outside_a_checkout_says_where_the_benchmarks_are(
+    venv: Path, elsewhere: Path
+) -> None:
+    done = _run([venv / "fastloader", "bench", "--quick"], elsewhere, ok=False)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and "clone of fastloader's repository" in done.stderr
+
+
+def test_version_from_python(capsys: pytest.CaptureFixture) -> None:
+    from fastloader import __version__
+    from fastloader.cli import fastloader_main, main
+
+    for command in (fastloader_main, main):
+        assert command(["--version"]) == 0
+        assert capsys.readouterr().out == f"fastloader {__version__}\n"
