@@ -47,6 +47,19 @@ def tiny_model(classes: int) -> nn.Module:
     )  # fmt: skip
 
 
+def save_checkpoint(path: str, model: nn.Module, optimizer, loader: DataLoader, step: int) -> None:
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+    torch.save({**state, "loader": loader.state_dict()}, path)  # the loader's: ~400 bytes
+
+
+def load_checkpoint(path: str, model: nn.Module, optimizer, loader: DataLoader) -> int:
+    checkpoint = torch.load(path)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    loader.load_state_dict(checkpoint["loader"])  # the next batch is the next unseen sample
+    return checkpoint["step"]
+
+
 def main() -> None:
     args = parse_args()
     workers = args.workers if args.workers == "auto" else int(args.workers)
@@ -80,11 +93,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     step = 0
     if args.resume:
-        checkpoint = torch.load(args.checkpoint)
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        loader.load_state_dict(checkpoint["loader"])  # the next batch is the next unseen sample
-        step = checkpoint["step"]
+        step = load_checkpoint(args.checkpoint, model, optimizer, loader)
         print(f"resumed at step {step}, epoch {loader.epoch}")
 
     with loader:  # stops the workers at the end (or call loader.close())
@@ -96,9 +105,7 @@ def main() -> None:
                 optimizer.step()
                 step += 1
                 if step % args.save_every == 0:
-                    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-                    state.update(loader=loader.state_dict(), step=step)  # ~400 bytes, JSON-able
-                    torch.save(state, args.checkpoint)
+                    save_checkpoint(args.checkpoint, model, optimizer, loader, step)
                 if step == args.stop_after:
                     print(f"stopped after step {step} (epoch {epoch}); run again with --resume")
                     return

@@ -109,14 +109,14 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "--workers",
         type=int,
         metavar="N",
-        help="decoding processes (default: all usable CPUs; none for --store encoded, whose "
-        "files are only checked)",
+        help="decoding processes (default: all usable CPUs; none for --store encoded with "
+        "--check quick, whose files are only checked)",
     )
     parser.add_argument(
         "--check",
         choices=CHECK_CHOICES,
-        help="how each input image is checked before it is packed: full (decode it all) or "
-        "quick (cheaper); default: the library's",
+        help="how each input image is checked before it is packed: full (decode it all; the "
+        "default) or quick (headers and end markers only: faster, weaker)",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     parser.add_argument(

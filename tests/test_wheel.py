@@ -1,8 +1,8 @@
 """The wheel works outside the checkout: built from the tracked files (no network), installed
 into a fresh virtual environment, used from a folder where the checkout is not importable.
 
-The environment sees the system's packages (``--system-site-packages``: torch is not
-installed again), so the test asserts that ``fastloader`` is imported from the wheel's files.
+The environment sees this interpreter's packages (torch is not installed again), so the test
+asserts that ``fastloader`` is imported from the wheel's files.
 It also covers the "namespace package" trap: a folder named ``fastloader`` in the current
 directory (a clone, from the folder that holds it) must not shadow the installed package.
 """
@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -54,10 +55,14 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
         tmp,
     )  # fmt: skip
     (wheel,) = dist.glob("fastloader-*.whl")
-    _run(
-        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", tmp / "venv"], tmp
-    )
+    _run([sys.executable, "-m", "venv", "--without-pip", tmp / "venv"], tmp)
     bin_ = tmp / "venv" / "bin"
+    # This interpreter's packages (torch, pip...) after the venv's own, listed in a .pth file:
+    # the .pth files there (an editable install of this checkout) are not run, unlike with
+    # --system-site-packages, and it works when this interpreter is itself a venv's.
+    (site_packages,) = (tmp / "venv" / "lib").glob("python*/site-packages")
+    parents = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
+    (site_packages / "_parent_environment.pth").write_text("\n".join(sorted(parents)) + "\n")
     _run([bin_ / "python", "-m", "pip", "install", "--no-deps", "--quiet", wheel], tmp)
     return bin_
 
