@@ -43,7 +43,7 @@ from benchmarks._progress import Pace, Stage
 #: comparison not listed shows its elapsed time until it plans its work (_progress.plan).
 EXPECTED_SECONDS = {
     "tiny": {"loader": 10, "formats": 10, "packing": 10, "memory": 10, "cli_startup": 15},
-    "quick": {"pipeline": 60, "loader": 60},
+    "quick": {"pipeline": 45, "loader": 35},
     "full": {"loader": 95, "formats": 170, "packing": 90, "memory": 35, "cli_startup": 120},
 }
 
