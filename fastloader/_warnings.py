@@ -43,14 +43,14 @@ def empty_epoch_message(loader: Any) -> str:
         return "an epoch yielded no batch: the dataset is empty (len(dataset) == 0)"
     if drop_last and batch_size and per_rank is not None and per_rank < batch_size:
         share = (
-            f"{per_rank} per rank over {world} ranks"
-            if world and world > 1 and per_rank != samples
-            else f"{per_rank} in the sampler's epoch"
-            if per_rank != samples
-            else f"{samples}"
+            ""
+            if per_rank == samples
+            else f" ({per_rank} per rank over {world} ranks)"
+            if world and world > 1
+            else f" ({per_rank} in the sampler's epoch)"
         )
         return (
-            f"an epoch yielded no batch: the dataset has {samples} samples ({share}), fewer "
+            f"an epoch yielded no batch: the dataset has {samples} samples{share}, fewer "
             f"than batch_size={batch_size}, and drop_last=True drops the short batch; lower "
             "batch_size or set drop_last=False"
         )
