@@ -35,19 +35,37 @@ def _run(args: list, cwd: Path, ok: bool = True) -> subprocess.CompletedProcess:
     return done
 
 
+def _copy_sources(target: Path) -> Path:
+    """The files a build reads, copied (building leaves build/ and *.egg-info behind)."""
+    for name in SOURCES:
+        if (ROOT / name).is_dir():
+            ignore = shutil.ignore_patterns("__pycache__")
+            shutil.copytree(ROOT / name, target / name, ignore=ignore)
+        elif (ROOT / name).exists():
+            target.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / name, target / name)
+    return target
+
+
+def _fresh_venv(path: Path) -> Path:
+    """A venv that sees this interpreter's packages after its own; returns its bin/ folder.
+
+    They are listed in a .pth file: the .pth files there (an editable install of this
+    checkout) are not run, unlike with --system-site-packages, and it works when this
+    interpreter is itself a venv's.
+    """
+    _run([sys.executable, "-m", "venv", "--without-pip", path], path.parent)
+    (site_packages,) = (path / "lib").glob("python*/site-packages")
+    parents = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
+    (site_packages / "_parent_environment.pth").write_text("\n".join(sorted(parents)) + "\n")
+    return path / "bin"
+
+
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh venv with the wheel of this checkout installed; returns its bin/ folder."""
     tmp = tmp_path_factory.mktemp("wheel")
-    source = tmp / "source"  # a copy: building leaves build/ and *.egg-info behind
-    for name in SOURCES:
-        if (ROOT / name).is_dir():
-            shutil.copytree(
-                ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__")
-            )
-        elif (ROOT / name).exists():
-            (source / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(ROOT / name, source / name)
+    source = _copy_sources(tmp / "source")
     dist = tmp / "dist"
     _run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", dist,
@@ -55,14 +73,7 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
         tmp,
     )  # fmt: skip
     (wheel,) = dist.glob("fastloader-*.whl")
-    _run([sys.executable, "-m", "venv", "--without-pip", tmp / "venv"], tmp)
-    bin_ = tmp / "venv" / "bin"
-    # This interpreter's packages (torch, pip...) after the venv's own, listed in a .pth file:
-    # the .pth files there (an editable install of this checkout) are not run, unlike with
-    # --system-site-packages, and it works when this interpreter is itself a venv's.
-    (site_packages,) = (tmp / "venv" / "lib").glob("python*/site-packages")
-    parents = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
-    (site_packages / "_parent_environment.pth").write_text("\n".join(sorted(parents)) + "\n")
+    bin_ = _fresh_venv(tmp / "venv")
     _run([bin_ / "python", "-m", "pip", "install", "--no-deps", "--quiet", wheel], tmp)
     return bin_
 
@@ -123,3 +134,26 @@ def test_version_from_python(capsys: pytest.CaptureFixture) -> None:
     for command in (fastloader_main, main):
         assert command(["--version"]) == 0
         assert capsys.readouterr().out == f"fastloader {__version__}\n"
+
+
+@pytest.mark.slow
+def test_editable_installs_from_the_clones_parent_folder(tmp_path: Path) -> None:
+    # Documents the README's advice. setuptools' default (lenient) editable install finds the
+    # package with an import hook that runs only after the path search, and the search takes
+    # a folder named `fastloader` in the current directory (the clone, seen from its parent)
+    # as a namespace package first (pypa/setuptools#3548). editable_mode=strict puts a link
+    # tree on sys.path instead, which the search finds: that works from anywhere.
+    clone = _copy_sources(tmp_path / "fastloader")
+    code = "import fastloader; print(fastloader.__file__, hasattr(fastloader, 'DataLoader'))"
+    found = {}
+    for mode in ("lenient", "strict"):
+        bin_ = _fresh_venv(tmp_path / f"venv-{mode}")
+        install = [bin_ / "python", "-m", "pip", "install", "--no-deps", "--no-build-isolation"]
+        _run(install + ["--quiet", "-e", clone, "--config-settings", f"editable_mode={mode}"],
+             tmp_path)  # fmt: skip
+        found[mode] = _run([bin_ / "python", "-c", code], tmp_path).stdout.split()
+        inside = _run([bin_ / "python", "-c", code], clone).stdout.split()
+        assert inside[1] == "True", f"{mode}: from inside the clone: {inside}"
+    if found["lenient"][1] == "False":  # until setuptools changes: the namespace package
+        assert found["lenient"][0] == "None", found["lenient"]
+    assert found["strict"][1] == "True"
