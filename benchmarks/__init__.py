@@ -24,17 +24,21 @@ rows, ratios and notes (see ``report.py`` for the shape):
 The data is made at run time from the photos scikit-image ships (``_photos.py``).
 """
 
-COMPARISONS = (
-    "pipeline",
-    "loader",
-    "formats",
-    "packing",
-    "memory",
-    "gpu_step",
-    "distributed",
-    "cli_startup",
-    "supervision",
-    "cheap",
-    "oom",
-)
+#: Every comparison, in the order a run goes through them -> whether the ~3-minute demo
+#: (``--quick``, the default) runs it. ``--size full`` and ``tiny`` run them all. A new
+#: comparison is one line here (and its usual duration in ``__main__.EXPECTED_SECONDS``).
+COMPARISONS = {
+    "pipeline": True,
+    "loader": True,
+    "formats": False,
+    "packing": False,
+    "memory": False,
+    "gpu_step": False,
+    "distributed": False,
+    "cli_startup": False,
+    "supervision": False,
+    "cheap": False,
+    "oom": False,
+}
+DEMO = tuple(name for name, in_demo in COMPARISONS.items() if in_demo)
 SIZES = ("tiny", "quick", "full")

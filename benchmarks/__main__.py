@@ -5,14 +5,16 @@ Usage::
     python -m benchmarks [--size tiny|quick|full] [--quick] [--out DIR] [--only NAME,...]
                          [--keep-work]
 
-``quick`` (the default, also ``--quick``) takes a few minutes on 2 cores; ``full`` under
-fifteen; ``tiny`` seconds (the smoke test). Data is made under ``DIR/work`` and removed at the
-end unless ``--keep-work``. A comparison that raises is recorded with its error and the others
-still run; the exit status is then 1.
+``quick`` (the default, also ``--quick``) is the demo: the training-pipeline comparison (the
+headline) and the loader comparison, about 2-3 minutes on 2 cores; ``full`` runs every
+comparison (under fifteen minutes); ``tiny`` every comparison in seconds (the smoke test).
+Data is made under ``DIR/work`` and removed at the end unless ``--keep-work``. A comparison
+that raises is recorded with its error and the others still run; the exit status is then 1.
 
-While it runs, stderr shows one progress bar per comparison (a line each when stderr is not a
-terminal). At the end, stdout gets a compact summary (every ratio against both torch
-baselines) and where the full tables and plots went.
+While it runs, stderr shows one progress bar per comparison, with the time left estimated from
+this run's measured rates (lines instead when stderr is not a terminal; see _progress.py).
+At the end, stdout gets the summary: the training pipeline first, then the loader table and
+each other comparison's ratios, the same numbers results.md opens with.
 """
 
 from __future__ import annotations
@@ -29,15 +31,16 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-import torch
+from benchmarks import COMPARISONS, DEMO, SIZES, report
+from benchmarks._progress import Pace, Stage
 
-from benchmarks import COMPARISONS, SIZES, report
-from benchmarks._photos import source_photos
-from benchmarks._progress import Stage
+# torch, NumPy and the photos come in with machine_info(), after the arguments are parsed, so
+# that `--help` and usage errors answer at once (see NOTE [ Fast command start-up ] in
+# fastloader/cli.py).
 
-#: Seconds each comparison took on the shared 2-core box (for the progress bars; rounded up).
-#: A comparison not listed shows its elapsed time only.
+#: Seconds each comparison took on the 2-core box with nothing else running (rounded up). The
+#: progress bars scale them by how much slower this run's finished stages were (Pace); a
+#: comparison not listed shows its elapsed time until it plans its work (_progress.plan).
 EXPECTED_SECONDS = {
     "tiny": {
         "cheap": 20,
@@ -47,14 +50,7 @@ EXPECTED_SECONDS = {
         "memory": 10,
         "cli_startup": 15,
     },
-    "quick": {
-        "cheap": 120,
-        "loader": 60,
-        "formats": 45,
-        "packing": 30,
-        "memory": 25,
-        "cli_startup": 45,
-    },
+    "quick": {"pipeline": 45, "loader": 35, "cheap": 120},
     "full": {
         "cheap": 300,
         "loader": 95,
@@ -87,13 +83,15 @@ def parse_args(
     )
     parser.add_argument(
         "--only",
-        default=",".join(COMPARISONS),
-        help=f"comma-separated subset of {','.join(COMPARISONS)}",
+        help=f"comma-separated subset of {','.join(COMPARISONS)} (default: {','.join(DEMO)} "
+        "at size quick, every one at the other sizes)",
     )
     parser.add_argument(
         "--keep-work", action="store_true", help="keep the generated photos and packs in OUT/work"
     )
     args = parser.parse_args(argv)
+    if args.only is None:
+        args.only = ",".join(DEMO if args.size == "quick" else COMPARISONS)
     args.only = [name.strip() for name in args.only.split(",") if name.strip()]
     unknown = sorted(set(args.only) - set(COMPARISONS))
     if unknown or not args.only:
@@ -103,6 +101,11 @@ def parse_args(
 
 def machine_info() -> dict:
     """What ran the suite: CPUs, platform, versions, date, and where the photos came from."""
+    import numpy as np
+    import torch
+
+    from benchmarks._photos import source_photos
+
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {
         "cpu_count": os.cpu_count(),
@@ -115,6 +118,8 @@ def machine_info() -> dict:
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "photos": source_photos()[0],
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        # the box may be shared: what else ran at the start (1-minute load average)
+        "load_average": round(os.getloadavg()[0], 1) if hasattr(os, "getloadavg") else None,
     }
 
 
@@ -146,17 +151,20 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks") 
     started = time.perf_counter()
     bars = sys.stderr.isatty()
     expected = EXPECTED_SECONDS.get(args.size, {})
+    pace = Pace()
+    usual = sum(expected.get(name, 0) for name in args.only)
     print(
         f"Running {len(args.only)} comparison{'s' if len(args.only) > 1 else ''} at size "
-        f"{args.size} "
-        f"({', '.join(args.only)}); results go to {out}/",
+        f"{args.size} ({', '.join(args.only)}"
+        + (f"; about {usual / 60:.0f} min on 2 idle cores" if usual >= 90 else "")
+        + f"); results go to {out}/",
         file=sys.stderr,
         flush=True,
     )
     try:
         for index, name in enumerate(args.only, 1):
             label = f"[{index}/{len(args.only)}] {name}"
-            with Stage(label, expected.get(name), bars) as stage:
+            with Stage(label, pace.scale(expected.get(name)), bars) as stage:
                 result = run_comparison(name, args.size, workdir)
                 results["comparisons"][name] = result
                 status = (
@@ -167,6 +175,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks") 
                     else "done"
                 )
                 stage.finish(f"{status} in {result['seconds']:.0f} s")
+                if status == "done":  # a skip or an error says nothing about the pace
+                    pace.record(expected.get(name), result["seconds"])
     finally:
         if not args.keep_work:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -174,9 +184,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks") 
     plots, plots_skipped = report.write_plots(results, out)
     results["plots"] = [plot.name for plot in plots]
     results["plots_skipped"] = plots_skipped
+    if hasattr(os, "getloadavg"):
+        results["machine"]["load_average_at_end"] = round(os.getloadavg()[0], 1)
+    printed = report.summary(results, out, plots)
     report.write_json(results, out / "results.json")
-    (out / "results.md").write_text(report.render(results, markdown=True))
-    print(report.summary(results, out, plots))
+    (out / "results.md").write_text(report.render(results, markdown=True, printed=printed))
+    print(printed)
     if plots_skipped:
         print(plots_skipped)
     errors = [name for name, result in results["comparisons"].items() if "error" in result]

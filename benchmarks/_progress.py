@@ -1,13 +1,22 @@
 """What a suite run is doing, as it goes: one progress bar per comparison (stage), on stderr.
 
-A comparison may say which step it is on with :func:`note` (shown after its bar, or as a line
-when stderr is not a terminal); it needs nothing else. The bar of a stage with an expected
-duration fills with elapsed time (a comparison's steps are not equal, so time is the honest
-measure); a stage without one shows the elapsed time only.
+A comparison may say which step it is on with :func:`note`, and how much measured work is
+left with :func:`plan` and :func:`advance` (rounds, epochs: any unit of roughly equal cost);
+it needs nothing else. The time left is always estimated from what this run measured:
+
+- within a stage that planned its work, from the rate of the work done so far;
+- otherwise from the stage's usual duration on 2 idle cores, scaled by how much slower than
+  usual this run's earlier stages were (:class:`Pace`), so a loaded machine gets honest
+  estimates after its first stage.
+
+On a terminal the bar redraws twice a second. When stderr is not a terminal, each stage
+prints a line when it starts, per note, and at least every ``QUIET_LINE_S`` seconds while
+it runs (with the estimate), and one when it ends.
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 import threading
 import time
@@ -16,6 +25,7 @@ from types import TracebackType
 from tqdm import tqdm
 
 _current: Stage | None = None
+QUIET_LINE_S = 20.0  # at most this long without a line when stderr is not a terminal
 
 
 def note(text: str) -> None:
@@ -25,14 +35,48 @@ def note(text: str) -> None:
         stage.note(text)
 
 
+def plan(total: float) -> None:
+    """Say that ``total`` units of similar work are left in the running comparison (from now)."""
+    stage = _current
+    if stage is not None:
+        stage.plan(total)
+
+
+def advance(units: float = 1) -> None:
+    """Say that ``units`` of the planned work are done."""
+    stage = _current
+    if stage is not None:
+        stage.advance(units)
+
+
+class Pace:
+    """How much slower than its usual duration each finished stage ran (median), to scale the
+    estimates of the stages still to come."""
+
+    def __init__(self) -> None:
+        self.factors: list[float] = []
+
+    def record(self, usual_s: float | None, took_s: float) -> None:
+        if usual_s:
+            self.factors.append(took_s / usual_s)
+
+    def scale(self, usual_s: float | None) -> float | None:
+        if usual_s is None:
+            return None
+        return usual_s * (statistics.median(self.factors) if self.factors else 1.0)
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.0f} s" if value < 120 else f"{value / 60:.1f} min"
+
+
 class Stage:
-    """A progress bar for one stage of the run, ticking every half second in a thread.
+    """A progress bar (or progress lines) for one stage of the run.
 
     Args:
         label: what runs, e.g. ``"[1/6] loader"``.
-        expected_s: how long it usually takes at this size on 2 cores; None if unknown.
-        bar: draw a bar (stderr is a terminal); else print a line at the start, per note, and
-            at the end.
+        expected_s: how long it should take on this machine (already scaled); None if unknown.
+        bar: draw a bar (stderr is a terminal); else print lines.
     """
 
     def __init__(self, label: str, expected_s: float | None, bar: bool) -> None:
@@ -40,39 +84,72 @@ class Stage:
         self._bar: tqdm | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._started = 0.0
+        self._started = self._planned_at = self._last_line = 0.0
+        self._total = self._done = 0.0
+        self._text = ""
 
     def __enter__(self) -> Stage:
         global _current
-        self._started = time.perf_counter()
+        self._started = self._last_line = time.perf_counter()
         if self.use_bar:
-            known = self.expected_s is not None
-            bar_format = (
-                "{desc}: {percentage:3.0f}%|{bar:24}| {elapsed} of ~{total:.0f} s{postfix}"
-                if known
-                else "{desc}: {elapsed}{postfix}"
-            )
             self._bar = tqdm(
-                total=self.expected_s if known else None,
+                total=100,
                 desc=self.label,
-                bar_format=bar_format,
+                bar_format="{desc}: {percentage:3.0f}%|{bar:24}| {postfix}",
                 file=sys.stderr,
                 leave=True,
                 dynamic_ncols=True,
             )
-            self._thread = threading.Thread(target=self._tick, daemon=True)
-            self._thread.start()
         else:
-            expected = f" (usually ~{self.expected_s:.0f} s)" if self.expected_s else ""
+            expected = f" (~{_seconds(self.expected_s)})" if self.expected_s else ""
             print(f"{self.label} ...{expected}", file=sys.stderr, flush=True)
+        self._thread = threading.Thread(target=self._tick, daemon=True)
+        self._thread.start()
         _current = self
         return self
 
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._started
+
+    def left_s(self) -> float | None:
+        """Seconds left: from the planned work's measured rate, else from the expected time."""
+        now = time.perf_counter()
+        if self._total and self._done:
+            rate = self._done / (now - self._planned_at)
+            return max(self._total - self._done, 0.0) / rate
+        if self.expected_s is not None:
+            return max(self.expected_s - self.elapsed(), 0.0) if not self._total else None
+        return None
+
+    def plan(self, total: float) -> None:
+        self._total, self._done, self._planned_at = float(total), 0.0, time.perf_counter()
+
+    def advance(self, units: float) -> None:
+        self._done += units
+
     def note(self, text: str) -> None:
-        if self._bar is not None:
-            self._bar.set_postfix_str(text, refresh=True)
+        self._text = text
+        if self._bar is None:
+            self._line()
         else:
-            print(f"{self.label}: {text}", file=sys.stderr, flush=True)
+            self._draw()
+
+    def _status(self) -> str:
+        left = self.left_s()
+        estimate = "" if left is None else f", ~{_seconds(left)} left"
+        text = f"{self._text}; " if self._text else ""
+        return f"{text}{_seconds(self.elapsed())}{estimate}"
+
+    def _line(self) -> None:
+        self._last_line = time.perf_counter()
+        print(f"{self.label}: {self._status()}", file=sys.stderr, flush=True)
+
+    def _draw(self) -> None:
+        assert self._bar is not None
+        left, elapsed = self.left_s(), self.elapsed()
+        fraction = elapsed / (elapsed + left) if left is not None else 0.0
+        self._bar.n = min(99.0, 100 * fraction)  # never claim 100% before the stage ends
+        self._bar.set_postfix_str(self._status(), refresh=True)
 
     def finish(self, status: str) -> None:
         """End the stage with ``status`` (e.g. ``"done in 52 s"``)."""
@@ -98,10 +175,8 @@ class Stage:
             self.finish("interrupted" if kind is not None else "done")
 
     def _tick(self) -> None:
-        assert self._bar is not None
         while not self._stop.wait(0.5):
-            elapsed = time.perf_counter() - self._started
-            if self.expected_s is not None:  # never claim 100% before the stage ends
-                elapsed = min(elapsed, self.expected_s * 0.99)
-            self._bar.n = elapsed
-            self._bar.refresh()
+            if self._bar is not None:
+                self._draw()
+            elif time.perf_counter() - self._last_line >= QUIET_LINE_S:
+                self._line()

@@ -32,6 +32,7 @@ import torch
 from torch.utils.data import DataLoader as TorchDataLoader
 
 from benchmarks._photos import ImageFolderDataset, image_folder, packed
+from benchmarks._progress import advance, note, plan
 from benchmarks._stats import paired_ratio
 from fastloader import DataLoader, ImageFolder, LMDBDataset
 from fastloader import transforms as T
@@ -39,8 +40,26 @@ from fastloader import transforms as T
 SIZES = {
     #        photos, batch, rounds
     "tiny": (96, 16, 1),
-    "quick": (512, 32, 2),
+    "quick": (640, 32, 15),
     "full": (2000, 64, 9),
+}
+#: The loaders of the quick demo (``--quick``): the headline and its baselines, with enough
+#: rounds for a stable ratio in under a minute; the other sizes run every loader.
+DEMO_LOADERS = ("torch_folder", "fastloader_imagefolder_fused", "lmdb_raw_fused", "dali_cpu")
+PEER_PACKAGES = {"dali_cpu": "nvidia-dali-cuda120", "spdl": "spdl"}
+#: What each loader is, for people (the summary, the plot).
+LABELS = {
+    "torch_folder": "torch DataLoader, image folder, PIL transform",
+    "fastloader_folder": "fastloader.DataLoader, same folder and transform",
+    "fastloader_imagefolder_fused": "fastloader.ImageFolder, fused transform",
+    "lmdb_encoded_plain": "LMDB pack (encoded), PIL transform",
+    "lmdb_encoded_fused": "LMDB pack (encoded), fused",
+    "lmdb_jpeg_plain": "LMDB pack (jpeg, short side 256), PIL transform",
+    "lmdb_jpeg_fused": "LMDB pack (jpeg, short side 256), fused",
+    "lmdb_raw_plain": "LMDB pack (raw, short side 256), PIL transform",
+    "lmdb_raw_fused": "LMDB pack (raw, short side 256), fused",
+    "dali_cpu": "NVIDIA DALI on CPU, fused random-crop decode",
+    "spdl": "SPDL, threads, PIL transform",
 }
 WORKERS = 2
 SKIP_BATCHES = 5  # 2 workers x prefetch 2, + 1
@@ -72,8 +91,14 @@ def _fast_loader(dataset: Any, batch: int) -> DataLoader:
     return DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=WORKERS, seed=0)
 
 
-def _loaders(root: Path, workdir: Path, batch: int) -> tuple[dict[str, Any], dict[str, str]]:
-    """Name -> factory of an iterable of ``(images, labels)`` batches; and skipped peers."""
+def _loaders(
+    root: Path, workdir: Path, batch: int, only: tuple[str, ...] | None = None
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Name -> factory of an iterable of ``(images, labels)`` batches; and skipped peers.
+
+    ``only``: the names to make (packs are made only for those); None: all.
+    """
+    wanted = (lambda name: True) if only is None else (lambda name: name in only)
     plain, fused = Unfused(train_transform()), train_transform()
     loaders: dict[str, Any] = {
         "torch_folder": lambda: _torch_loader(ImageFolderDataset(root, plain), batch),
@@ -81,17 +106,25 @@ def _loaders(root: Path, workdir: Path, batch: int) -> tuple[dict[str, Any], dic
         "fastloader_imagefolder_fused": lambda: _fast_loader(ImageFolder(root, fused), batch),
     }
     for store, side in (("encoded", None), ("jpeg", 256), ("raw", 256)):
+        kinds = [k for k in ("plain", "fused") if wanted(f"lmdb_{store}_{k}")]
+        if not kinds:
+            continue
+        note(f"packing the photos: LMDB --store {store}")
         path = packed(root, workdir, "lmdb", store, side)
-        for kind, transform in (("plain", plain), ("fused", fused)):
+        for kind in kinds:
+            transform = plain if kind == "plain" else fused
             loaders[f"lmdb_{store}_{kind}"] = lambda path=path, transform=transform: _fast_loader(
                 LMDBDataset(path, transform=transform), batch
             )
+    loaders = {name: factory for name, factory in loaders.items() if wanted(name)}
     skipped = {}
     for name, factory in (("dali_cpu", _dali), ("spdl", _spdl)):
+        if not wanted(name):
+            continue
         try:
             loaders[name] = factory(root, batch, plain)
-        except ImportError as error:
-            skipped[name] = f"not installed ({error.name or error})"
+        except ImportError:
+            skipped[name] = f"not installed (pip install {PEER_PACKAGES[name]})"
     return loaders, skipped
 
 
@@ -177,17 +210,24 @@ def run(size: str, workdir: Path) -> dict:
     """Run the pipeline comparison at ``size`` ("tiny", "quick", "full")."""
     photos, batch, rounds = SIZES[size]
     skip = 2 if size == "tiny" else SKIP_BATCHES
+    note(f"making {photos} photos")
     root = image_folder(workdir, photos)
-    factories, skipped = _loaders(root, Path(workdir), batch)
+    factories, skipped = _loaders(
+        root, Path(workdir), batch, DEMO_LOADERS if size == "quick" else None
+    )
+    note("starting the loaders (a warm-up epoch each)")
     loaders = {name: factory() for name, factory in factories.items()}
     for loader in loaders.values():  # warm-up: start workers, open files, build pipelines
         _steady_rate(loader, skip)
     names = list(loaders)
     rates: dict[str, list[float]] = {name: [] for name in names}
+    plan(rounds * len(names))
     for round_ in range(rounds):
+        note(f"round {round_ + 1} of {rounds}")
         shift = round_ % len(names)
         for name in names[shift:] + names[:shift]:
             rates[name].append(_steady_rate(loaders[name], skip))
+            advance()
     for loader in loaders.values():
         if hasattr(loader, "close"):
             loader.close()
@@ -200,6 +240,7 @@ def run(size: str, workdir: Path) -> dict:
     rows = [
         {
             "loader": name,
+            "what": LABELS.get(name, name),
             "samples_per_s": round(rate, 1),
             "vs_torch": round(vs(name, "torch_folder"), 3),
             "vs_dali": round(vs(name, "dali_cpu"), 3) if "dali_cpu" in median else None,
@@ -212,8 +253,9 @@ def run(size: str, workdir: Path) -> dict:
     others = [name for name in rates if name != "torch_folder"]
     ratios = {f"{name}_vs_torch": vs(name, "torch_folder") for name in others}
     if "dali_cpu" in median:
-        for name in ("fastloader_imagefolder_fused", "lmdb_encoded_fused"):
-            ratios[f"{name}_vs_dali"] = vs(name, "dali_cpu")
+        for name in ("fastloader_imagefolder_fused", "lmdb_encoded_fused", "lmdb_raw_fused"):
+            if name in rates:  # the quick demo runs fewer loaders
+                ratios[f"{name}_vs_dali"] = vs(name, "dali_cpu")
     return {
         "comparison": "pipeline",
         "config": {
@@ -232,6 +274,8 @@ def run(size: str, workdir: Path) -> dict:
             f"steady samples/s per epoch after its first {skip} batches; median of "
             f"{rounds} interleaved rounds after a warm-up epoch; ratios (vs_torch, vs_dali) "
             "are medians of the per-round ratios",
+            f"{photos} photos (~500x375 JPEG), batches of {batch}, {WORKERS} workers or threads "
+            "each" + ("; the quick demo runs the headline loaders only" if size == "quick" else ""),
             "plain = the PIL transform (as torchvision's); fused = the same transform planned "
             "from the JPEG header (DCT-scaled decode, one resize)",
         ]

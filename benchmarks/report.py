@@ -14,6 +14,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from benchmarks._stats import paired_ratio
+
 
 def format_value(key: str, value: Any) -> str:
     """A table cell: ratios as ``1.23x``, other numbers with about three significant digits."""
@@ -86,11 +88,17 @@ def _tables(result: dict) -> list[tuple[str, list[dict]]]:
     ]
 
 
-def render(results: dict, markdown: bool = False) -> str:
-    """The whole report: machine, then per comparison its tables, ratios, notes and skips."""
+def render(results: dict, markdown: bool = False, printed: str | None = None) -> str:
+    """The whole report: machine, then per comparison its tables, ratios, notes and skips.
+
+    ``printed``: the summary the run printed, shown first (as printed) so that the report and
+    the terminal give the same numbers.
+    """
     title = f"fastloader benchmarks, size {results['size']}"
     machine = ", ".join(f"{key}: {value}" for key, value in results["machine"].items())
     out = [f"# {title}" if markdown else title, "", machine]
+    if printed and markdown:
+        out += ["", "## Summary, as printed", "", "```text", printed, "```"]
     for name, result in results["comparisons"].items():
         seconds = result.get("seconds")
         title = f"{name}: {result.get('title', '')}".rstrip(": ")
@@ -140,6 +148,9 @@ def write_plots(results: dict, out: Path) -> tuple[list[Path], str | None]:
         return [], "plots skipped: matplotlib is not installed"
     written = []
     comparisons = results["comparisons"]
+    pipeline = comparisons.get("pipeline", {})
+    if pipeline.get("rows") and not pipeline.get("error"):
+        written.append(_pipeline_plot(plt, pipeline, out / "pipeline.png"))
     bars = _throughput_bars(comparisons)
     if bars:
         figure, axes = plt.subplots(
@@ -178,6 +189,31 @@ def write_plots(results: dict, out: Path) -> tuple[list[Path], str | None]:
         figure.savefig(written[-1], dpi=110)
         plt.close(figure)
     return written, None
+
+
+def _pipeline_plot(plt: Any, result: dict, path: Path) -> Path:
+    """The headline as bars: samples/s per loader, each labelled with its ratio to torch."""
+    rows = result["rows"]
+    figure, axis = plt.subplots(figsize=(9, 1.3 + 0.45 * len(rows)))
+    values = [row["samples_per_s"] for row in rows]
+    colours = ["tab:gray" if row["loader"] == "torch_folder" else "tab:blue" for row in rows]
+    axis.barh(range(len(rows)), values, color=colours)
+    axis.set_yticks(range(len(rows)), [row.get("what", row["loader"]) for row in rows], fontsize=8)
+    axis.invert_yaxis()
+    for index, row in enumerate(rows):
+        axis.text(values[index], index, f" {row['vs_torch']:.2f}x torch", va="center", fontsize=8)
+    axis.set_xlim(0, max(values) * 1.25)
+    axis.set_xlabel("samples/s (higher is better)")
+    config = result.get("config", {})
+    axis.set_title(
+        "Training pipeline: random-resized crop 224 + flip, uint8 batches of "
+        f"{config.get('batch_size', '?')}, {config.get('workers_or_threads', 2)} workers each",
+        fontsize=10,
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
 
 
 def _throughput_bars(comparisons: dict) -> list[tuple[str, str, list[str], list[float]]]:
@@ -268,15 +304,33 @@ def loader_summary(result: dict) -> str:
         return ""
     rate = {name: row["steady_samples_per_s"] for name, row in rows.items()}
     first = {name: row["first_batch_ms_later_median"] for name, row in rows.items()}
+    rounds = result.get("throughput_samples_per_s") or {}
+
+    def steady(name: str, base: str) -> float:
+        """As results.md: the median of per-round ratios (else the ratio of medians)."""
+        if name in rounds and base in rounds:
+            return paired_ratio(rounds[name], rounds[base])
+        return rate[name] / rate[base]
+
+    def epoch_start(name: str, base: str) -> float:
+        """As results.md: from the unrounded times where the result has them."""
+        if name == "fastloader" and base == "torch_persistent":
+            return result.get("ratios", {}).get(
+                "epoch_start_speedup_vs_torch_persistent", first[base] / first[name]
+            )
+        if base == "torch" and "vs_torch_epoch_start" in rows[name]:
+            return rows[name]["vs_torch_epoch_start"]
+        return first[base] / first[name]
+
     header = ["loader", "samples/s", "vs torch", "vs torch persistent"]
     header += ["first batch, later epochs", "vs torch", "vs torch persistent"]
     table = []
     for name in rows:
         table.append(
             [_LOADER_NAMES.get(name, name), f"{rate[name]:.0f}"]
-            + [_ratio(rate[name] / rate[base]) for base in _BASELINES]
+            + [_ratio(steady(name, base)) for base in _BASELINES]
             + [f"{first[name]:.1f} ms"]
-            + [_ratio(first[base] / first[name]) for base in _BASELINES]
+            + [_ratio(epoch_start(name, base)) for base in _BASELINES]
         )
     config = result.get("config", {})
     lines = [
@@ -322,15 +376,51 @@ def _readme_source() -> str:
     )
 
 
+def pipeline_summary(result: dict) -> str:
+    """The headline: the training pipeline through each loader, samples/s and ratios."""
+    rows = result.get("rows") or []
+    config = result.get("config", {})
+    with_dali = any("vs_dali" in row for row in rows)
+    header = ["loader", "samples/s", "vs torch"] + (["vs DALI"] if with_dali else [])
+    table = [
+        [row.get("what", row["loader"]), f"{row['samples_per_s']:.0f}", _ratio(row["vs_torch"])]
+        + ([_ratio(row["vs_dali"])] if with_dali else [])
+        for row in rows
+    ]
+    lines = [
+        "The training pipeline (random-resized crop 224 + flip, uint8 CHW batches of "
+        f"{config.get('batch_size', '?')}, {config.get('workers_or_threads', 2)} workers or "
+        f"threads each, {config.get('photos', '?')} photos):",
+        "",
+        _aligned(header, table),
+        "",
+        f"samples/s: steady, median of {config.get('rounds', '?')} interleaved rounds; ratios: "
+        "medians of the per-round ratios (higher is better)",
+    ]
+    for name, why in (result.get("peers_skipped") or {}).items():
+        lines.append(f"{name} skipped: {why}")
+    return "\n".join(lines)
+
+
 def summary(results: dict, out: Path, plots: list[Path]) -> str:
-    """What a person reads at the end of a run: the loader table, each other comparison's
-    ratios in one line or two, and where the full results went."""
+    """What a person reads at the end of a run: the training pipeline (the headline), the
+    loader table, each other comparison's ratios in one line or two, where the results went."""
     comparisons = results["comparisons"]
-    lines = [f"fastloader benchmarks, size {results['size']} ({results.get('seconds', 0):.0f} s)"]
-    loader = comparisons.get("loader")
-    if loader and not loader.get("skipped") and not loader.get("error"):
-        lines += ["", loader_summary(loader)]
-    others = [name for name in comparisons if name != "loader" or len(lines) == 1]
+    load = results["machine"].get("load_average")
+    lines = [
+        f"fastloader benchmarks, size {results['size']} ({results.get('seconds', 0):.0f} s"
+        + (f"; load average {load} at the start" if load else "")
+        + ")"
+    ]
+    shown = []
+    for name, render_one in (("pipeline", pipeline_summary), ("loader", loader_summary)):
+        result = comparisons.get(name)
+        if result and not result.get("skipped") and not result.get("error"):
+            text = render_one(result)
+            if text:
+                lines += ["", text]
+                shown.append(name)
+    others = [name for name in comparisons if name not in shown]
     if others:
         lines += ["", "other comparisons (ratios; the tables are in results.md):"]
     for name in others:

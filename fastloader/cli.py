@@ -67,6 +67,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         description="Pack an image folder (torchvision ImageFolder layout: one subfolder per "
         "class) into one LMDB or HDF5 file for fastloader.LMDBDataset / HDF5Dataset.",
     )
+    if not subcommand:
+        parser.add_argument("--version", action="version", version=version_line())
     parser.add_argument("src", nargs="?", metavar="SRC", help="the image folder")
     parser.add_argument(
         "dst", nargs="?", metavar="DST", help="the pack file to write: NAME.lmdb, .h5 or .hdf5"
@@ -107,14 +109,14 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "--workers",
         type=int,
         metavar="N",
-        help="decoding processes (default: all usable CPUs; none for --store encoded, whose "
-        "files are only checked)",
+        help="decoding processes (default: all usable CPUs; none for --store encoded with "
+        "--check quick, whose files are only checked)",
     )
     parser.add_argument(
         "--check",
         choices=CHECK_CHOICES,
-        help="how each input image is checked before it is packed: full (decode it all) or "
-        "quick (cheaper); default: the library's",
+        help="how each input image is checked before it is packed: full (decode it all; the "
+        "default) or quick (headers and end markers only: faster, weaker)",
     )
     parser.add_argument(
         "--image-timeout",
@@ -330,7 +332,7 @@ _COMMANDS = {
     "pack": "pack an image folder into one LMDB or HDF5 file (as fastloader-pack)",
     "info": "print what a pack holds",
     "verify": "read and check every record of a pack (exit 0 clean, 1 bad records, 2 unreadable)",
-    "bench": "run the benchmark demo from a source checkout (python -m benchmarks; see --help)",
+    "bench": "run the benchmark demo (python -m benchmarks) inside a clone of the repository",
 }
 
 
@@ -340,6 +342,7 @@ def _top_parser() -> argparse.ArgumentParser:
         description="fastloader's command line: pack image folders, inspect and verify packs, "
         "run the benchmark demo. `fastloader COMMAND --help` for each command's options.",
     )
+    parser.add_argument("--version", action="version", version=version_line())
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in _COMMANDS.items():
         commands.add_parser(name, help=help_text)
@@ -356,17 +359,28 @@ def _pack_parser_for(name: str) -> argparse.ArgumentParser:
     return parser
 
 
+def _benchmarks_root() -> Path | None:
+    """The source checkout holding ``benchmarks/``: the one this package runs from, else the
+    current folder (a wheel installed, run from inside a clone); None if neither has it."""
+    for root in (Path(__file__).resolve().parents[1], Path.cwd()):
+        if (root / "benchmarks" / "__main__.py").is_file() and (root / "pyproject.toml").is_file():
+            return root
+    return None
+
+
+BENCH_NEEDS_CHECKOUT = (
+    "fastloader bench: the benchmarks are not part of the installed package: run it inside a "
+    'clone of fastloader\'s repository (`pip install -e ".[bench]"` there, then `fastloader '
+    "bench` or `python -m benchmarks`)"
+)
+
+
 def _run_bench(argv: Sequence[str]) -> int:
-    """Run ``benchmarks.__main__.main(argv)`` from the checkout this package was installed from."""
-    root = Path(__file__).resolve().parents[1]
-    if not (root / "benchmarks" / "__main__.py").is_file():
-        print(
-            "fastloader bench: error: the benchmarks ship with the source checkout, not the "
-            'installed package: clone the repository, `pip install -e ".[bench]"` there, and '
-            "run `fastloader bench` (or `python -m benchmarks`) from it",
-            file=sys.stderr,
-        )
-        return 2
+    """Run ``benchmarks.__main__.main(argv)`` from a source checkout (see _benchmarks_root)."""
+    root = _benchmarks_root()
+    if root is None:
+        print(BENCH_NEEDS_CHECKOUT, file=sys.stderr)
+        return 1
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     from benchmarks.__main__ import main as bench_main
@@ -378,6 +392,13 @@ def _run_bench(argv: Sequence[str]) -> int:
     except KeyboardInterrupt:
         print("fastloader bench: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def version_line() -> str:
+    """What ``--version`` prints: ``fastloader 0.1.0`` (no torch imported)."""
+    from fastloader import __version__
+
+    return f"fastloader {__version__}"
 
 
 def fastloader_main(argv: Sequence[str] | None = None) -> int:

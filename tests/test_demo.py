@@ -1,0 +1,99 @@
+"""The demo (``python -m benchmarks --quick``): what it runs, that it prints what results.md
+says, and that its progress estimates come from measured rates. No timing is asserted."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = str(Path(__file__).resolve().parents[1])
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks import COMPARISONS, DEMO  # noqa: E402
+from benchmarks import _progress as progress  # noqa: E402
+from benchmarks.__main__ import parse_args  # noqa: E402
+from benchmarks.report import loader_summary, render, summary  # noqa: E402
+
+
+def test_the_demo_leads_with_the_pipeline_and_full_runs_everything() -> None:
+    assert DEMO[0] == "pipeline" and set(DEMO) < set(COMPARISONS)
+    assert parse_args(["--quick"]).only == list(DEMO)
+    assert parse_args(["--size", "full"]).only == list(COMPARISONS)
+    assert parse_args(["--quick", "--only", "formats"]).only == ["formats"]
+
+
+def _results() -> dict:
+    # Rounds where the ratio of medians (2000/1000 = 2.0) differs from the median of the
+    # per-round ratios (1.5): the summary must print what results.md prints.
+    rounds = {"torch": [1000.0, 2000.0, 500.0], "torch_persistent": [1000.0, 1000.0, 1000.0]}
+    rounds["fastloader"] = [1500.0, 3000.0, 2000.0]
+    loader_rows = [
+        {
+            "loader": name,
+            "steady_samples_per_s": sorted(values)[1],
+            "first_batch_ms_later_median": {"torch": 60.0, "torch_persistent": 30.0}.get(name, 3.0),
+            "vs_torch_epoch_start": {"torch": 1.0, "torch_persistent": 2.0}.get(name, 20.0),
+        }
+        for name, values in rounds.items()
+    ]
+    pipeline_rows = [
+        {"loader": "torch_folder", "what": "torch", "samples_per_s": 500.0, "vs_torch": 1.0},
+        {"loader": "fused", "what": "fastloader fused", "samples_per_s": 900.0, "vs_torch": 1.87},
+    ]
+    return {
+        "machine": {"cpu_count": 2, "load_average": 3.5},
+        "size": "quick",
+        "seconds": 90.0,
+        "comparisons": {
+            "pipeline": {
+                "rows": pipeline_rows,
+                "ratios": {"fused_vs_torch": 1.87},
+                "config": {"batch_size": 32, "rounds": 15, "photos": 640},
+                "peers_skipped": {"dali_cpu": "not installed (pip install nvidia-dali-cuda120)"},
+            },
+            "loader": {
+                "rows": loader_rows,
+                "ratios": {"epoch_start_speedup_vs_torch_persistent": 10.0},
+                "throughput_samples_per_s": rounds,
+            },
+        },
+    }
+
+
+def test_the_printed_summary_is_the_first_section_of_results_md(tmp_path: Path) -> None:
+    results = _results()
+    printed = summary(results, tmp_path, [tmp_path / "pipeline.png"])
+    assert printed.index("training pipeline") < printed.index("fastloader vs torch's DataLoader")
+    assert "1.87x" in printed and "load average 3.5" in printed
+    assert "pip install nvidia-dali-cuda120" in printed
+    assert printed in render(results, markdown=True, printed=printed)
+
+
+def test_loader_ratios_are_medians_of_per_round_ratios() -> None:
+    text = loader_summary(_results()["comparisons"]["loader"])
+    rows = [line.split() for line in text.splitlines() if line.split()[1:2] != []]
+    fastloader = " ".join(next(row for row in rows if row[0] == "fastloader" and row[1].isdigit()))
+    assert "1.50x" in fastloader  # median of 1.5, 1.5, 4.0 vs torch; not 2000/1000
+    assert "10.0x" in fastloader  # the first-batch ratio results.md has, not 30/3 rounded
+
+
+def test_progress_lines_estimate_from_the_measured_rate(capsys: pytest.CaptureFixture) -> None:
+    pace = progress.Pace()
+    pace.record(10.0, 30.0)  # the first stage ran 3x slower than usual here
+    assert pace.scale(20.0) == 60.0
+    with progress.Stage("[1/1] demo", pace.scale(20.0), bar=False) as stage:
+        progress.note("making photos")
+        progress.plan(4)
+        progress.advance(2)
+        progress.note("round 3 of 4")
+        stage.finish("done in 1 s")
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "[1/1] demo ... (~60 s)"
+    assert "making photos" in lines[1] and "~60 s left" in lines[1]
+    assert "round 3 of 4" in lines[2] and "left" in lines[2]  # from the 2 units measured
+    assert lines[-1] == "[1/1] demo: done in 1 s"
+    progress.note("after the stage: ignored")
+    assert capsys.readouterr().err == ""
