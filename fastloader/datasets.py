@@ -189,6 +189,8 @@ class StoredImageError(PackError, OSError):
 def _decoding(where: str) -> Iterator[None]:
     try:
         yield
+    except Image.DecompressionBombError as error:  # Pillow's class, naming the record
+        raise type(error)(f"{where}: {error}") from error
     except (OSError, SyntaxError, ValueError) as error:  # what PIL raises for a bad image
         raise StoredImageError(f"{where}: stored image does not decode ({error})") from error
 

@@ -145,6 +145,8 @@ def _decode(data: bytes, path: str) -> Image.Image:
         image = Image.open(io.BytesIO(data))
         image.load()
         return to_rgb(image)
+    except Image.DecompressionBombError as error:  # Pillow's class, naming the file
+        raise type(error)(f"{path}: {error}") from error
     except (OSError, SyntaxError, ValueError) as error:
         raise OSError(f"{path}: not a decodable image ({error})") from error
 
