@@ -25,7 +25,7 @@ from fastloader.formats.hdf5 import HDF5Pack
 from fastloader.formats.lmdb import LMDBPack
 from fastloader.formats.packfile import PackFile, PackWriter, check_file, file_identity
 from fastloader.formats.records import PackError, Record, RecordKind
-from fastloader.images import to_rgb
+from fastloader.images import check_jpeg_scans, to_rgb
 
 __all__ = [
     "DECODE_MODES",
@@ -35,6 +35,7 @@ __all__ = [
     "PackFile",
     "PackWriter",
     "PackedDataset",
+    "StoredImageError",
     "check_file",
     "decode_image",
     "file_identity",
@@ -114,7 +115,8 @@ class PackedDataset(PackFile, Dataset):
                 pixels = np.frombuffer(record.payload, dtype=np.uint8).reshape(record.shape)
                 return fused.apply_raw(pixels, self.decode), record.label
             plain = lambda: decode_image(record, self.decode, where)  # noqa: E731
-            return fused.apply_encoded(record.payload, plain, self.decode), record.label
+            image = fused.apply_encoded(record.payload, plain, self.decode, where)
+            return image, record.label
 
         image, label = self._checked(position, buffer, fused_decode)
         if self.target_transform is not None:
@@ -141,12 +143,15 @@ def decode_image(record: Record, mode: str, where: str = "record") -> Any:
     """Turn a record's payload into a PIL RGB image, a uint8 CHW tensor, a HWC array or bytes.
 
     Stored image files are converted to RGB as packing converts them (``images.to_rgb``:
-    like torchvision's loader, except that 16-bit images are scaled rather than clipped).
+    ``convert("RGB")``, as torchvision's loader).
 
     The result never refers to the file's memory, so it outlives the read transaction.
 
     Raises:
-        PackError: naming ``where`` if an encoded payload is not a decodable image.
+        StoredImageError: naming ``where`` if an encoded payload is not a decodable image (a
+            PackError and an OSError, the class torchvision's loader raises).
+        PIL.Image.DecompressionBombError: for a bomb (Pillow's pixel limit; too many JPEG
+            scans: ``images.JPEGScanLimitError``).
     """
     if mode == "bytes":
         return bytes(record.payload)
@@ -158,6 +163,7 @@ def decode_image(record: Record, mode: str, where: str = "record") -> Any:
         if mode == "numpy":
             return pixels
         return to_pil(pixels)
+    check_jpeg_scans(record.payload, where)
     with _decoding(where):
         image = Image.open(io.BytesIO(record.payload))
         image.load()  # inside the read transaction, and so that errors surface here
@@ -175,12 +181,19 @@ def _chw_tensor(pixels: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(channels_first(pixels))
 
 
+class StoredImageError(PackError, OSError):
+    """A stored image file that does not decode: a ``PackError`` naming the pack and record,
+    and an ``OSError``, as torchvision's loader raises for the same file."""
+
+
 @contextmanager
 def _decoding(where: str) -> Iterator[None]:
     try:
         yield
+    except Image.DecompressionBombError as error:  # Pillow's class, naming the record
+        raise type(error)(f"{where}: {error}") from error
     except (OSError, SyntaxError, ValueError) as error:  # what PIL raises for a bad image
-        raise PackError(f"{where}: stored image does not decode ({error})") from error
+        raise StoredImageError(f"{where}: stored image does not decode ({error})") from error
 
 
 class LMDBDataset(LMDBPack, PackedDataset):

@@ -11,13 +11,16 @@ PILToTensor()])`` throws most decoded pixels away: it keeps one box of the image
    same order, as the unfused transforms (torch's default generator, seeded per sample by
    fastloader.DataLoader): the same seed gives the same box and flip as the plain transform;
    the result is one box in source pixels, an output size and a flip;
-3. decode at the smallest JPEG DCT scale (1/2, 1/4, 1/8) at which the box still has at least
-   the output's pixels (``simplejpeg.decode_jpeg(min_height=, min_width=, min_factor=2)``:
-   libjpeg-turbo, bundled in the wheel, releasing the GIL); when no scale helps, decode only
-   the box's region if nvImageCodec is installed (NOTE [ Region decoding ]);
-4. crop the box out of the decoded pixels (a NumPy view) and resize it once, with OpenCV's
-   ``INTER_LINEAR`` (``INTER_AREA`` when it still shrinks more than 2x, as linear does not
-   antialias past 2x; the DCT scale has done the big shrink), then flip;
+3. refuse bombs from the header, before any decoder allocates (NOTE [ Decompression bombs ]
+   in fastloader/images.py: Pillow's pixel limit, a cap on progressive scans), then decode
+   every pixel at the smallest JPEG DCT scale (M/8) at which the box still has at least the
+   output's pixels (``simplejpeg.decode_jpeg(min_height=, min_width=, min_factor=2)``:
+   libjpeg-turbo, bundled in the wheel, releasing the GIL; strict, so damaged data fails here
+   and goes to Pillow: NOTE [ Damaged data takes Pillow's verdict ]);
+4. crop the box out of the decoded pixels and resize it once: at full scale, the box rounded
+   to whole pixels (a NumPy view) and OpenCV's ``INTER_LINEAR`` (``INTER_AREA`` past 2x); at a
+   reduced DCT scale, the exact sub-pixel box, smoothed as Pillow's bilinear filter smooths
+   (NOTE [ Resampling a DCT-scaled decode ]); then flip;
 5. hand the HWC uint8 result on as the unfused steps would have: a PIL image, or, where
    ``PILToTensor`` follows, a uint8 CHW tensor (contiguous: NOTE [ Channels-first once ]),
    then apply the remaining transforms.
@@ -28,8 +31,24 @@ libjpeg-turbo cannot turn into RGB) take the plain path: decode, then the whole 
 JPEG whose header reads but whose data simplejpeg rejects is decoded by Pillow instead and
 given the geometry already drawn, so the random draws happen once either way.
 
+NOTE [ Damaged data takes Pillow's verdict ]
+A JPEG damaged inside its entropy-coded data (end marker intact) must fail on every path and
+every crop where torchvision's loader (Pillow) fails, and give Pillow's pixels where Pillow
+gives pixels. libjpeg reports most damage as a warning and fills in; Pillow raises only on its
+fatal errors ("broken data stream", an OSError), and loads files with warnings (junk before a
+marker, a bad ICC segment: valid photos). So the fused decode is strict (simplejpeg raises on
+any libjpeg warning, having decoded every byte of the file, even at 1/8 scale), and whatever
+it refuses is decoded by Pillow, whose error or pixels the sample gets. No path decodes less
+than the whole file: a region decode (nvImageCodec's CPU decoder, used by earlier versions
+when no DCT scale applies) stops at the crop's last row and reports no warnings, so it gave
+garbage for damaged files, differently per crop (benchmarks/fuzz.py --scan-data). Checking
+the file first costs about a full decode (a strict 1/8-scale decode of a 3000x2000 JPEG:
+14 ms, the full decode 15 ms; region 3 ms), so the region decode was removed rather than
+checked.
+
 Why these libraries (timed on the benchmark photos, ~500x375, one core; see
-benchmarks/pipeline.py for the loader-level comparison): Pillow decode + crop + resize 1.15 ms;
+benchmarks/pipeline.py for the loader-level comparison, benchmarks/fused_quality.py for
+pixels against Pillow on small and large photos): Pillow decode + crop + resize 1.15 ms;
 simplejpeg decode alone 0.54 ms; simplejpeg + cv2.resize 0.61 ms (49.7 dB PSNR vs Pillow);
 + Pillow's antialiased resize instead 1.10 ms; cv2.warpAffine (exact sub-pixel box) 0.71 ms;
 cv2 INTER_AREA 0.82 ms. Without simplejpeg or OpenCV the same plan runs on Pillow (``draft``
@@ -49,7 +68,7 @@ import torch
 from PIL import Image
 from torch.utils.data import get_worker_info
 
-from fastloader.images import JPEG_END, is_jpeg
+from fastloader.images import check_image_limits, is_jpeg
 from fastloader.transforms import (
     CenterCrop,
     Compose,
@@ -162,16 +181,26 @@ class FusedTransform:
                 height, width = step.size
         return False
 
-    def apply_encoded(self, data: Any, decode_plain: Callable[[], Any], mode: str) -> Any:
+    def apply_encoded(
+        self, data: Any, decode_plain: Callable[[], Any], mode: str, where: Any = None
+    ) -> Any:
         """Transform the image file ``data``; ``decode_plain()`` decodes it the plain way.
 
         Args:
             data: the file's bytes (any buffer).
             decode_plain: returns the decoded image as the dataset gives it to ``transform``
-                (raising the dataset's error for a bad file).
+                (raising the dataset's error for a bad file, and Pillow's bomb checks).
             mode: what ``decode_plain`` returns: "pil", "tensor" (CHW) or "numpy" (HWC).
+            where: the file or record, named in errors.
+
+        Raises:
+            PIL.Image.DecompressionBombError: for a JPEG over Pillow's pixel limit or with too
+                many scans, before anything is decoded (NOTE [ Decompression bombs ]).
+            Exception: what ``decode_plain`` raises for a file Pillow cannot decode.
         """
         size = jpeg_size(data)
+        if size is not None:
+            check_image_limits(data, size[1], size[0], where)
         geometry = None if size is None else self.draw(*size)
         if geometry is None:
             return self.transform(decode_plain())
@@ -248,10 +277,6 @@ def _decode_jpeg(data: Any, geometry: Geometry, height: int, width: int) -> np.n
     min_width = math.ceil(geometry.out_width * width / geometry.width)
     if BACKEND == "pillow":
         return _pillow_jpeg(data, geometry, height, width, min_height, min_width)
-    if (height + 1) // 2 < min_height or (width + 1) // 2 < min_width:  # no DCT scale helps
-        region = _decode_region(data, geometry, height, width)
-        if region is not None:
-            return region
     try:
         scaled = simplejpeg.decode_jpeg(
             data, min_height=min_height, min_width=min_width, min_factor=2
@@ -259,67 +284,6 @@ def _decode_jpeg(data: Any, geometry: Geometry, height: int, width: int) -> np.n
     except ValueError:
         return None
     return _apply_geometry(scaled, geometry, height, width)
-
-
-#: Decode only the crop's region with nvImageCodec's CPU decoder when it is installed (see NOTE
-#: [ Region decoding ]); tests switch it off to compare.
-REGION_DECODING = True
-_region_decoders: dict[int, Any] = {}  # per process; a forked child never touches its parent's
-
-# NOTE [ Region decoding ]
-# When no DCT scale can shrink the decode (a random crop of a ~500x375 photo is rarely twice the
-# output size), libjpeg-turbo can still skip what lies outside the box: whole rows below it, and
-# the inverse DCT and colour conversion of columns and rows outside it. No small wheel exposes
-# that (simplejpeg, Pillow and OpenCV do not); NVIDIA's nvImageCodec does, on the CPU too
-# (`nvidia-nvimgcodec-cu12`, no GPU needed; libjpeg-turbo underneath): ~14 % less CPU per
-# random crop of the benchmark photos than simplejpeg's full decode, the same pixels but for
-# chroma at the box's edges. Optional: without it, or for a file that does not end with the JPEG
-# end marker (a truncated file must fail, in simplejpeg's strict decode, then Pillow's, not be
-# filled in), the full decode is used. EXIF orientation is not applied, as in Pillow and
-# torchvision.
-
-
-def _decode_region(data: Any, geometry: Geometry, height: int, width: int) -> np.ndarray | None:
-    """The geometry applied to only the box's pixels, decoded by nvImageCodec; None if not."""
-    decoder = _region_decoder() if REGION_DECODING else None
-    if decoder is None or bytes(data[-2:]) != JPEG_END:
-        return None
-    codec, decode, params = decoder
-    top, left = max(math.floor(geometry.top), 0), max(math.floor(geometry.left), 0)
-    bottom = min(math.ceil(geometry.top + geometry.height), height)
-    right = min(math.ceil(geometry.left + geometry.width), width)
-    try:
-        stream = codec.CodeStream(data).get_sub_code_stream(
-            region=codec.Region(top, left, bottom, right)
-        )
-        image = decode(stream, params=params)
-        pixels = None if image is None else np.asarray(image.cpu())
-    except Exception:  # noqa: BLE001 - any failure: the strict decoders decide
-        return None
-    if pixels is None or pixels.shape != (bottom - top, right - left, 3):
-        return None
-    shifted = geometry._replace(left=geometry.left - left, top=geometry.top - top)
-    return _apply_geometry(pixels, shifted)
-
-
-def _region_decoder() -> tuple[Any, Callable, Any] | None:
-    pid = os.getpid()
-    if pid not in _region_decoders:
-        try:
-            from nvidia import nvimgcodec
-
-            decoder = nvimgcodec.Decoder(
-                device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
-                backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.CPU_ONLY)],
-                max_num_cpu_threads=1,
-            )
-            params = nvimgcodec.DecodeParams(
-                apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB
-            )
-            _region_decoders[pid] = (nvimgcodec, decoder.decode, params)
-        except Exception:  # noqa: BLE001 - not installed, or cannot start: full decodes
-            _region_decoders[pid] = None
-    return _region_decoders[pid]
 
 
 def _pillow_jpeg(
@@ -350,7 +314,13 @@ def _apply_geometry(
             geometry.out_height, geometry.out_width, channels
         )
     _one_thread_in_workers()
-    # Round the box to whole pixels of the scaled image (at most half a pixel off).
+    if scale_x < 1.0 or scale_y < 1.0:  # a DCT-scaled decode
+        out = _resample_exact(pixels, geometry, scale_x, scale_y)
+        if geometry.flip:
+            cv2.flip(out, 1, dst=out)
+        return out.reshape(geometry.out_height, geometry.out_width, pixels.shape[2])
+    # Full scale: round the box to whole pixels (at most half a source pixel off; none for
+    # RandomResizedCrop, whose boxes are whole pixels).
     x0 = min(max(round(geometry.left * scale_x), 0), pixels.shape[1] - 1)
     y0 = min(max(round(geometry.top * scale_y), 0), pixels.shape[0] - 1)
     x1 = min(max(round((geometry.left + geometry.width) * scale_x), x0 + 1), pixels.shape[1])
@@ -366,6 +336,71 @@ def _apply_geometry(
     if geometry.flip:
         cv2.flip(out, 1, dst=out)  # in place
     return out.reshape(geometry.out_height, geometry.out_width, pixels.shape[2])
+
+
+# NOTE [ Resampling a DCT-scaled decode ]
+# Torchvision resizes the crop of the full decode with Pillow's bilinear filter, which, when
+# shrinking by f, averages over a triangle 2f source pixels wide (it antialiases). After a DCT
+# scale the box is a fractional rectangle of the scaled image and still shrinks by f in [1, 2)
+# (more past the 1/8 scale). Rounding that box to whole scaled pixels moves it by up to half a
+# scaled pixel (4 source pixels at 1/8), and ``INTER_LINEAR`` does not smooth: on 41 large
+# photos (>= 1000 px short side) that gave a median 40.8 dB PSNR against torchvision's pixels,
+# 10th percentile 33. Here the box is mapped exactly (``cv2.warpAffine`` with the sub-pixel
+# affine map, Pillow's pixel-centre convention) after a Gaussian blur whose variance tops the
+# interpolation's own up to the triangle's ((f^2 - 1) / 6 per axis): 46.9 dB median, 38.0 at
+# the 10th percentile; Pillow's ``resize(box=)`` on the same scaled decode scores 48.3 / 38.7
+# at three times the resize cost. Full-scale decodes (the small photos' random crops) keep the
+# cheaper rounded ``cv2.resize``. Figures: benchmarks/results/fused_quality.md.
+
+
+def _resample_exact(
+    pixels: np.ndarray, geometry: Geometry, scale_x: float, scale_y: float
+) -> np.ndarray:
+    """The geometry's box of ``pixels`` (scaled by ``scale_x``/``scale_y`` from the source),
+    resampled to the output size with a sub-pixel map, smoothed as Pillow's bilinear filter.
+
+    See NOTE [ Resampling a DCT-scaled decode ].
+    """
+    box_x, box_y = geometry.left * scale_x, geometry.top * scale_y
+    shrink_x = geometry.width * scale_x / geometry.out_width
+    shrink_y = geometry.height * scale_y / geometry.out_height
+    margin = 4  # the blur's and the interpolation's reach past the box
+    x0 = min(max(math.floor(box_x) - margin, 0), pixels.shape[1] - 1)
+    y0 = min(max(math.floor(box_y) - margin, 0), pixels.shape[0] - 1)
+    x1 = max(min(math.ceil(box_x + geometry.width * scale_x) + margin, pixels.shape[1]), x0 + 1)
+    y1 = max(min(math.ceil(box_y + geometry.height * scale_y) + margin, pixels.shape[0]), y0 + 1)
+    region = pixels[y0:y1, x0:x1]
+    sigma_x = math.sqrt(max(shrink_x * shrink_x - 1.0, 0.0) / 6.0)
+    sigma_y = math.sqrt(max(shrink_y * shrink_y - 1.0, 0.0) / 6.0)
+    if sigma_x > 0.15 or sigma_y > 0.15:
+        kernel = (_kernel_size(sigma_x), _kernel_size(sigma_y))
+        region = cv2.GaussianBlur(
+            region,
+            kernel,
+            sigmaX=max(sigma_x, 1e-3),
+            sigmaY=max(sigma_y, 1e-3),
+            borderType=cv2.BORDER_REPLICATE,
+        )
+    # Output pixel centre d maps to source box_x + (d + 0.5) * shrink_x - 0.5 (Pillow's map).
+    matrix = np.array(
+        [
+            [shrink_x, 0.0, box_x - x0 + 0.5 * shrink_x - 0.5],
+            [0.0, shrink_y, box_y - y0 + 0.5 * shrink_y - 0.5],
+        ]
+    )
+    out = cv2.warpAffine(
+        region,
+        matrix,
+        (geometry.out_width, geometry.out_height),
+        flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP,
+        borderMode=cv2.BORDER_REPLICATE,
+    )
+    return out if out.ndim == 3 else out[..., None]
+
+
+def _kernel_size(sigma: float) -> int:
+    """An odd Gaussian kernel size reaching 3 sigma; 1 (no blur) for a negligible sigma."""
+    return 1 if sigma <= 0.15 else 2 * math.ceil(3.0 * sigma) + 1
 
 
 _threads_set_in: int | None = None

@@ -12,7 +12,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from fastloader.decoding import fuse
-from fastloader.images import IMG_EXTENSIONS, class_folder_files, to_rgb
+from fastloader.images import IMG_EXTENSIONS, check_jpeg_scans, class_folder_files, to_rgb
 
 __all__ = ["IMG_EXTENSIONS", "ImageFolder"]
 
@@ -31,8 +31,11 @@ class ImageFolder(Dataset):
     - the paths live in one NumPy byte buffer and ``targets`` is an int64 array, not Python
       lists, so forked workers do not copy them page by page (copy-on-write) as they read;
       ``samples`` is built as a list when asked for;
-    - images become RGB as fastloader's packs make them (``images.to_rgb``: 16-bit
-      images are scaled, not clipped), so a folder and its pack give the same pixels.
+    - images become RGB as torchvision's loader and fastloader's packs make them
+      (``images.to_rgb``: ``convert("RGB")``), so a folder and its pack give the same pixels;
+    - bombs are refused before decoding: Pillow's ``Image.MAX_IMAGE_PIXELS`` for every
+      transform (and none), and progressive JPEGs with more than ``images.MAX_JPEG_SCANS``
+      scans (see docs/decoding-safety.md).
 
     Args:
         root: the folder of class folders.
@@ -100,7 +103,10 @@ class ImageFolder(Dataset):
 
         Raises:
             IndexError: if ``index`` is out of range.
-            OSError: naming the file, if it cannot be read or is not a decodable image.
+            OSError: naming the file, if it cannot be read or is not a decodable image
+                (wherever Pillow, and so torchvision, fails on it: on every crop).
+            PIL.Image.DecompressionBombError: naming the file, for a decompression bomb
+                (``images.JPEGScanLimitError``, also an OSError, for a scan bomb).
         """
         count = len(self.targets)
         position = int(index) + count if int(index) < 0 else int(index)
@@ -121,7 +127,7 @@ class ImageFolder(Dataset):
                 if self.transform is not None:
                     image = self.transform(image)
             else:
-                image = fused.apply_encoded(data, lambda: _decode(data, path), "pil")
+                image = fused.apply_encoded(data, lambda: _decode(data, path), "pil", path)
         if self.target_transform is not None:
             label = self.target_transform(label)
         return image, label
@@ -134,10 +140,13 @@ class ImageFolder(Dataset):
 
 
 def _decode(data: bytes, path: str) -> Image.Image:
+    check_jpeg_scans(data, path)  # Pillow checks the pixel limit itself, in Image.open
     try:
         image = Image.open(io.BytesIO(data))
         image.load()
         return to_rgb(image)
+    except Image.DecompressionBombError as error:  # Pillow's class, naming the file
+        raise type(error)(f"{path}: {error}") from error
     except (OSError, SyntaxError, ValueError) as error:
         raise OSError(f"{path}: not a decodable image ({error})") from error
 

@@ -210,24 +210,6 @@ def test_fused_loading_is_reproducible_for_any_num_workers(folder):
         assert torch.equal(a, b)
 
 
-def test_region_decoding_gives_the_full_decodes_pixels(folder, monkeypatch):
-    if decoding.BACKEND != "simplejpeg" or decoding._region_decoder() is None:
-        pytest.skip("nvImageCodec (the optional region decoder) is not installed")
-    used = []
-    real = decoding._decode_region
-    monkeypatch.setattr(decoding, "_decode_region", lambda *args: used.append(1) or real(*args))
-    dataset = ImageFolder(folder, TRAIN)
-    for index in range(len(dataset)):
-        outputs = []
-        for region in (True, False):
-            monkeypatch.setattr(decoding, "REGION_DECODING", region)
-            torch.manual_seed(index)
-            outputs.append(dataset[index][0])
-        # libjpeg-turbo's cropped decode equals the full one but for chroma at the box's edges
-        assert psnr(*outputs) > 40
-    assert used, "the random crops of these small photos need no DCT scale: region decodes"
-
-
 def test_truncated_jpegs_are_refused_not_filled_in():
     whole = jpeg(photo(0))
     cut = whole[: len(whole) * 3 // 4]  # the header reads; the scan data stops
@@ -239,13 +221,3 @@ def test_truncated_jpegs_are_refused_not_filled_in():
         torch.manual_seed(seed)
         with pytest.raises(OSError, match="plain decoder"):
             decoding.fuse(TRAIN).apply_encoded(cut, decode_plain, "pil")
-
-
-def test_region_decoder_refuses_files_without_an_end_marker():
-    if decoding.BACKEND != "simplejpeg" or decoding._region_decoder() is None:
-        pytest.skip("nvImageCodec (the optional region decoder) is not installed")
-    whole = jpeg(photo(0))
-    top_left = decoding.Geometry(0, 0, 40, 30, 64, 64, False)  # rows present in both files
-    assert decoding._decode_region(whole, top_left, 150, 200) is not None
-    # nvImageCodec would decode these rows of a truncated file; the plain path must say why.
-    assert decoding._decode_region(whole[: len(whole) * 3 // 4], top_left, 150, 200) is None

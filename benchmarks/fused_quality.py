@@ -1,0 +1,163 @@
+"""Fused pixels against torchvision's: PSNR and time per image, on small and large photos.
+
+For each photo and transform, the fused decode (``fastloader.decoding``: DCT-scaled decode,
+crop, resize, flip) is compared with the same transform applied the plain way, as torchvision
+applies it: Pillow's full decode, then ``crop`` + Pillow's bilinear ``resize`` (same seeds, so
+the same boxes and flips). Two transforms: the training one, ``RandomResizedCrop(224)`` + flip,
+and the evaluation one, ``Resize(256)`` + ``CenterCrop(224)``.
+
+Photos:
+- small: the benchmark suite's ~500x375 JPEGs (random views of scikit-image's photos);
+- large: every JPEG with a short side >= 1000 px under ``--large DIR`` (for instance the
+  photos of Debian's wallpaper packages: ``apt-get download mate-backgrounds
+  plasma-workspace-wallpapers lomiri-wallpapers`` then ``dpkg -x`` each into DIR); without it,
+  scikit-image's photos upscaled 4x (bicubic) stand in, and the table says so.
+
+Time: the median over photos of the fused call (``apply_encoded``, decode included), one core,
+repeated ``--rounds`` times; compare versions by running the script against each checkout
+(``PYTHONPATH=<checkout>``).
+
+Run: ``python -m benchmarks.fused_quality [--large DIR] [--seeds 3] [--rounds 3] [--json F]``
+(not part of ``python -m benchmarks``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+TRANSFORMS = ("RandomResizedCrop(224)+flip", "Resize(256)+CenterCrop(224)")
+
+
+def _transforms() -> dict:
+    from fastloader import transforms as T
+
+    return {
+        TRANSFORMS[0]: T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip()]),
+        TRANSFORMS[1]: T.Compose([T.Resize(256), T.CenterCrop(224)]),
+    }
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    """Peak signal-to-noise ratio of two uint8 images, in dB (99 for identical ones)."""
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return 99.0 if mse == 0 else 10 * math.log10(255**2 / mse)
+
+
+def small_photos(workdir: Path, count: int) -> list[Path]:
+    """The benchmark suite's photos (~500x375 JPEGs)."""
+    from benchmarks._photos import make_image_folder
+
+    root = make_image_folder(workdir / "small", count)
+    return sorted(root.glob("*/*.jpg"))
+
+
+def large_photos(workdir: Path, folder: str | None) -> tuple[str, list[Path]]:
+    """JPEGs with a short side >= 1000 px: from ``folder``, else scikit-image's upscaled."""
+    if folder is not None:
+        found = []
+        for path in sorted(Path(folder).rglob("*")):
+            if path.suffix.lower() not in (".jpg", ".jpeg") or not path.is_file():
+                continue
+            with Image.open(path) as image:
+                if image.mode == "RGB" and min(image.size) >= 1000:
+                    found.append(path)
+        return f"{len(found)} JPEGs under {folder}", found
+    from benchmarks._photos import source_photos
+
+    out = workdir / "large"
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, pixels in source_photos()[1].items():
+        image = Image.fromarray(pixels).convert("RGB")
+        image = image.resize((image.width * 4, image.height * 4), Image.BICUBIC)
+        paths.append(out / f"{name}.jpg")
+        image.save(paths[-1], quality=90)
+    return f"{len(paths)} scikit-image photos upscaled 4x (bicubic)", paths
+
+
+def measure(paths: list[Path], seeds: int) -> dict:
+    """PSNR per (photo, transform, seed) and the fused call's time per photo."""
+    from fastloader.decoding import fuse
+
+    scores: dict[str, list[float]] = {name: [] for name in TRANSFORMS}
+    times: dict[str, list[float]] = {name: [] for name in TRANSFORMS}
+    for path in paths:
+        data = path.read_bytes()
+
+        def plain(data: bytes = data) -> Image.Image:
+            return Image.open(io.BytesIO(data)).convert("RGB")
+
+        for name, transform in _transforms().items():
+            fused = fuse(transform)
+            for seed in range(seeds):
+                torch.manual_seed(seed)
+                want = np.asarray(transform(plain()))
+                torch.manual_seed(seed)
+                started = time.perf_counter()
+                got = fused.apply_encoded(data, plain, "numpy")
+                times[name].append(time.perf_counter() - started)
+                scores[name].append(psnr(np.asarray(got).reshape(want.shape), want))
+    return {"psnr": scores, "seconds": times}
+
+
+def summary(scores: list[float]) -> dict[str, float]:
+    values = np.asarray(scores)
+    return {
+        "median": float(np.median(values)),
+        "p10": float(np.percentile(values, 10)),
+        "worst": float(values.min()),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.fused_quality")
+    parser.add_argument("--large", help="a folder of large photos (JPEGs, searched recursively)")
+    parser.add_argument("--small-count", type=int, default=48)
+    parser.add_argument("--seeds", type=int, default=3, help="crops per photo and transform")
+    parser.add_argument("--rounds", type=int, default=3, help="timing rounds (PSNR is fixed)")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args(argv)
+    import cv2
+
+    cv2.setNumThreads(1)
+    torch.set_num_threads(1)
+    results: dict = {"load": os.getloadavg()[0]}
+    with tempfile.TemporaryDirectory() as workdir:
+        sets = {
+            "small": (
+                f"{args.small_count} ~500x375",
+                small_photos(Path(workdir), args.small_count),
+            ),
+            "large": large_photos(Path(workdir), args.large),
+        }
+        print("| photos | transform | median dB | p10 dB | worst dB | ms per image |")
+        print("|---|---|---:|---:|---:|---:|")
+        for label, (what, paths) in sets.items():
+            rounds = [measure(paths, args.seeds) for _ in range(args.rounds)]
+            for name in TRANSFORMS:
+                row = summary(rounds[0]["psnr"][name])
+                row["ms"] = float(np.median([np.median(r["seconds"][name]) for r in rounds]) * 1e3)
+                results[f"{label}/{name}"] = {"photos": what, **row}
+                print(
+                    f"| {label}: {what} | {name} | {row['median']:.1f} | {row['p10']:.1f} | "
+                    f"{row['worst']:.1f} | {row['ms']:.2f} |",
+                    flush=True,
+                )
+    print(f"load average at start: {results['load']:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
