@@ -198,7 +198,19 @@ class LMDBDataset(LMDBPack, PackedDataset):
         PackError: if it is empty, truncated, damaged, not a fastloader LMDB pack, unfinished,
             or from another format version.
         ValueError: for an unknown ``decode``.
+
+    An LMDB environment that is not a fastloader pack (a folder with ``data.mdb``, or a file
+    whose keys are not a pack's) is read in place: see ``fastloader.foreign.LMDBFileDataset``,
+    which ``LMDBDataset(path, keys=..., decode=callable, transform=...)`` then returns
+    (NOTE [ Packs or users' own files ]).
     """
+
+    def __new__(cls, path: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if cls is LMDBDataset and path is not None and _foreign(path, "lmdb"):
+            from fastloader.foreign import LMDBFileDataset
+
+            return LMDBFileDataset(path, *args, **kwargs)
+        return super().__new__(cls)
 
 
 class HDF5Dataset(HDF5Pack, PackedDataset):
@@ -217,7 +229,41 @@ class HDF5Dataset(HDF5Pack, PackedDataset):
         PackError: if it is empty, truncated, damaged, not a fastloader HDF5 pack (or not laid
             out as fastloader writes them), unfinished, or from another format version.
         ValueError: for an unknown ``decode``.
+
+    An HDF5 file that is not a fastloader pack (a user's own file of aligned datasets) is read
+    in place: ``HDF5Dataset(path, fields=None, transform=None, as_tuple=False)`` then returns a
+    ``fastloader.foreign.HDF5FileDataset`` whose samples are ``{dataset name: row}`` dicts
+    (NOTE [ Packs or users' own files ]; docs/any-sample.md).
     """
+
+    def __new__(cls, path: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if cls is HDF5Dataset and path is not None and _foreign(path, "hdf5"):
+            from fastloader.foreign import HDF5FileDataset
+
+            return HDF5FileDataset(path, *args, **kwargs)
+        return super().__new__(cls)
+
+
+# NOTE [ Packs or users' own files ]
+# One name opens both: `HDF5Dataset("pose.h5")` on a user's file must not fail with "not a
+# fastloader pack". The class's __new__ looks at the file first (formats.hdf5_foreign.
+# is_hdf5_pack, formats.lmdb_foreign.is_lmdb_pack: the top-level names, or the first and last
+# keys) and returns the foreign dataset for anything that is not laid out as a pack; Python then
+# skips __init__, since the object is not an HDF5Dataset. A damaged, truncated or interrupted
+# pack still goes to the pack reader, which says what is wrong with it. Subclasses and
+# unpickling (which calls __new__ without a path) always get the pack dataset.
+
+
+def _foreign(path: Any, backend: str) -> bool:
+    if not isinstance(path, (str, os.PathLike)) or not os.path.exists(path):
+        return False  # the pack reader raises the error
+    if backend == "hdf5":
+        from fastloader.formats.hdf5_foreign import is_hdf5_pack
+
+        return not os.path.isdir(path) and not is_hdf5_pack(path)
+    from fastloader.formats.lmdb_foreign import is_lmdb_pack
+
+    return not is_lmdb_pack(path)
 
 
 def open_pack(path: str | os.PathLike, **kwargs: Any) -> LMDBDataset | HDF5Dataset:
