@@ -21,6 +21,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from fastloader.decoding import channels_first, fuse, to_pil
+from fastloader.field_samples import check_fields_options, load_fields
 from fastloader.formats.hdf5 import HDF5Pack
 from fastloader.formats.lmdb import LMDBPack
 from fastloader.formats.packfile import PackFile, PackWriter, check_file, file_identity
@@ -59,13 +60,16 @@ class PackedDataset(PackFile, Dataset):
         decode: str = "pil",
         *,
         verify_checksums: bool = True,
+        sample_transform: Callable | None = None,
     ) -> None:
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
         self.transform = transform
         self.target_transform = target_transform
         self.decode = decode
+        self.sample_transform = sample_transform
         PackFile.__init__(self, path, verify_checksums=verify_checksums)
+        self._image_field = check_fields_options(self)
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         return self.__getitems__([index])[0]
@@ -99,6 +103,8 @@ class PackedDataset(PackFile, Dataset):
         See NOTE [ Fused decoding ] in fastloader/decoding.py (raw pixels are cropped from the
         file's memory before any copy).
         """
+        if self.schema is not None:  # a pack of any sample
+            return load_fields(self, position, buffer)
         fused = fuse(self.transform) if self.decode != "bytes" else None
         where = f"{self.path} record {position}"
         if fused is None:  # decoded, checked (NOTE [ Checksum after the copy ]), transformed
