@@ -275,6 +275,9 @@ def _foreign(path: Any, backend: str) -> bool:
 def open_pack(path: str | os.PathLike, **kwargs: Any) -> LMDBDataset | HDF5Dataset:
     """Open a pack of either format, recognised by its content; kwargs go to the dataset.
 
+    Only packs: a user's own HDF5 file or LMDB environment is refused (``HDF5Dataset`` and
+    ``LMDBDataset`` read those in place).
+
     Raises:
         FileNotFoundError: if ``path`` does not exist.
         PackError: if it is not a complete, readable fastloader pack.
@@ -285,4 +288,7 @@ def open_pack(path: str | os.PathLike, **kwargs: Any) -> LMDBDataset | HDF5Datas
 
     path = Path(path)
     check_file(path)
-    return {"lmdb": LMDBDataset, "hdf5": HDF5Dataset}[sniff_format(path)](path, **kwargs)
+    cls = {"lmdb": LMDBDataset, "hdf5": HDF5Dataset}[sniff_format(path)]
+    dataset = PackedDataset.__new__(cls)  # a pack, never a user's own file
+    dataset.__init__(path, **kwargs)
+    return dataset

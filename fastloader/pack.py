@@ -221,13 +221,23 @@ def _dataset_job(
         raise TypeError(f"source must be an image folder or a map-style dataset, not {dataset!r}")
     if len(dataset) == 0:
         raise ValueError("the dataset is empty")
-    if schema is not None or is_fields_sample(dataset[0]):
+    # A dataset with classes holds (image, label) samples; see NOTE [ Samples of fields ].
+    labelled = classes is not None or getattr(dataset, "classes", None) is not None
+    if schema is not None or (not labelled and is_fields_sample(dataset[0])):
         return _fields_job(dataset, options, classes, schema)
     names = _dataset_classes(dataset, classes)
     parallel = _start_method() == "fork" or _picklable(dataset)
     encoder = DatasetEncoder(dataset, options, len(names))
     source = f"{type(dataset).__module__}.{type(dataset).__qualname__}"
     return _Job(encoder, range(len(dataset)), str, names, source, parallel)
+
+
+# NOTE [ Samples of fields ]
+# pack(dataset) writes a pack of (image, label) records when the samples are image-and-int
+# pairs, or the dataset says it classifies (a `classes` attribute, or classes=): what
+# ImageFolder-like datasets give, and what older fastloader read. Anything else (dicts, tuples
+# of other lengths or kinds, or schema=) is a pack of any sample (format 4, formats/fields.py).
+# Deciding needs sample 0, read once in this process.
 
 
 def _fields_job(dataset: Any, options: Options, classes: Any, schema: Any) -> _Job:
