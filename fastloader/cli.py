@@ -211,7 +211,7 @@ def describe(path: str) -> str:
     schema = metadata.get("schema")
     if schema is not None:  # a pack of any sample
         lines[4] = f"samples:  {schema['structure']} of {len(schema['fields'])} fields"
-        lines += [f"  {_field_text(field)}" for field in schema["fields"]]
+        lines[5:5] = [f"  {_field_text(field)}" for field in schema["fields"]]
     if info:
         lines.append("info:")
         lines += [f"  {key}: {value}" for key, value in sorted(info.items())]

@@ -184,7 +184,8 @@ class HDF5File:
 
     def _check_field(self, handle: _Handle, name: str) -> tuple[_Field, int]:
         file, where = handle.file, f"{self.path}: dataset {name!r}"
-        if not self.allow_external and self._through_external_link(file, name):
+        linked = self._through_external_link(file, name)
+        if linked and not self.allow_external:
             raise PackError(
                 f"{where} is an external link to another file: refused "
                 f"(pass allow_external=True to read it)"
@@ -199,7 +200,7 @@ class HDF5File:
             raise PackError(f"{where} is 0-d (a single value), not one row per sample")
         plist = dataset.id.get_create_plist()
         layout = plist.get_layout()
-        external = layout == h5py.h5d.VIRTUAL or plist.get_external_count() > 0
+        external = linked or layout == h5py.h5d.VIRTUAL or plist.get_external_count() > 0
         if external and not self.allow_external:
             raise PackError(
                 f"{where} stores its data in other files (external or virtual storage): "

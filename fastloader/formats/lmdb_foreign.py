@@ -53,6 +53,9 @@ def is_lmdb_pack(path: str | os.PathLike) -> bool:
     if path.is_dir():
         return False
     try:
+        entry = _shared._open.get(file_identity(path))
+        if entry is not None and entry[0] == os.getpid():
+            return False  # open here already as a user's environment
         size = os.path.getsize(path)
         check_lmdb_file(path, size)
         with _opened(path, size, subdir=False) as env, env.begin() as txn:
@@ -85,6 +88,40 @@ class _opened:
         self.env.close()
 
 
+class _Shared:
+    """Environments shared by the readers of one process (py-lmdb opens a file once per
+    process), counted by users; an entry inherited through a fork is closed in the child,
+    unmapping only the child's copy (as lmdb._Environments does for packs)."""
+
+    def __init__(self) -> None:
+        self._open: dict[tuple, tuple[int, _Handle, int]] = {}
+
+    def acquire(self, path: Path, data: Path, subdir: bool, identity: tuple) -> _Handle:
+        pid = os.getpid()
+        entry = self._open.get(identity)
+        if entry is not None and entry[0] == pid:
+            self._open[identity] = (pid, entry[1], entry[2] + 1)
+            return entry[1]
+        if entry is not None:
+            try:
+                entry[1].close()
+            except Exception:  # noqa: BLE001
+                pass
+        handle = _Handle(path, data, subdir, identity[2])
+        self._open[identity] = (pid, handle, 1)
+        return handle
+
+    def release(self, identity: tuple, handle: _Handle) -> None:
+        entry = self._open.get(identity)
+        if entry is None or entry[0] != os.getpid() or entry[1] is not handle:
+            return
+        if entry[2] > 1:
+            self._open[identity] = (entry[0], handle, entry[2] - 1)
+        else:
+            del self._open[identity]
+            handle.close()
+
+
 class _Handle:
     def __init__(self, path: Path, data: Path, subdir: bool, size: int) -> None:
         self.psize, self.root = check_lmdb_file(data, size)
@@ -98,6 +135,9 @@ class _Handle:
     def close(self) -> None:
         self.env.close()
         self.map.close()
+
+
+_shared = _Shared()
 
 
 class LMDBFile:
@@ -206,19 +246,14 @@ class LMDBFile:
                     f"{self.path}: the environment changed since this dataset opened it: create "
                     f"the dataset again"
                 )
-            if self._handle is not None:  # inherited through a fork: unmap the child's copy
-                try:
-                    self._handle.close()
-                except Exception:  # noqa: BLE001
-                    pass
-            self._handle = _Handle(self.path, self._data, self._subdir, self._identity[2])
+            self._handle = _shared.acquire(self.path, self._data, self._subdir, self._identity)
             self._pid = pid
         return self._handle
 
     def close(self) -> None:
         """Close the environment in this process (it reopens on the next read)."""
         if self._handle is not None and self._pid == os.getpid():
-            self._handle.close()
+            _shared.release(self._identity, self._handle)
         self._handle = None
         self._pid = None
 
