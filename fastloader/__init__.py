@@ -70,9 +70,9 @@ __all__ = [
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from fastloader import collate
     from fastloader._supervision import PoisonSampleError, WorkersLostError
     from fastloader.datasets import HDF5Dataset, LMDBDataset, open_pack
-    from fastloader import collate
     from fastloader.device import DevicePrefetcher, move_to_device, pin, resolve_device
     from fastloader.folder import ImageFolder
     from fastloader.foreign import HDF5FileDataset, LMDBFileDataset

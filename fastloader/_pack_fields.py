@@ -87,7 +87,7 @@ def infer_schema(sample: Any, schema: Mapping | None = None) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"schema= names fields the samples do not have: {unknown}")
     fields = []
-    for name, value in zip(names, values):
+    for name, value in zip(names, values, strict=True):
         kind = overrides.get(name) or _kind_of(value, name)
         if kind not in FIELD_KINDS:
             raise ValueError(f"schema=: field {name!r} has kind {kind!r}, not one of {FIELD_KINDS}")
@@ -167,7 +167,7 @@ class FieldsEncoder:
                 f"{expected} ({self.schema['structure']})"
             )
         encoded = []
-        for field, value in zip(self.schema["fields"], values):
+        for field, value in zip(self.schema["fields"], values, strict=True):
             if field["kind"] == "image":
                 try:
                     encoded.append(self._image(value, index, field["name"]))

@@ -105,7 +105,7 @@ def _collate(batch: Sequence[Any], ragged: Callable, padded: bool = False) -> An
                 out[key] = torch_default_collate(values)
         return out
     if isinstance(first, (tuple, list)):
-        columns = list(zip(*batch))
+        columns = list(zip(*batch, strict=True))
         out = [
             ragged(str(at), list(values))
             if _is_ragged(values)
@@ -132,7 +132,7 @@ def _ragged_fields(batch: Sequence[Any]) -> dict[str, list]:
     if isinstance(first, Mapping):
         columns = {str(key): [sample[key] for sample in batch] for key in first}
     elif isinstance(first, (tuple, list)):
-        columns = {str(at): list(values) for at, values in enumerate(zip(*batch))}
+        columns = {str(at): list(values) for at, values in enumerate(zip(*batch, strict=True))}
     else:
         columns = {"sample": list(batch)}
     return {

@@ -39,7 +39,7 @@ class _SampleTransforms:
         sample is shaped and transformed (fastloader.DataLoader seeds its RNGs there)."""
         samples = self.read_many(indices)
         out = []
-        for index, sample in zip(indices, samples):
+        for index, sample in zip(indices, samples, strict=True):
             if before_each is not None:
                 before_each(index)
             sample = self._shape(sample)

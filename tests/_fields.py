@@ -25,7 +25,9 @@ def make_pose_file(path: Path, count: int = POSE_COUNT, chunked: bool = True) ->
         file.create_dataset("imagename", data=names, dtype=h5py.string_dtype())
         if chunked:
             file.create_dataset(
-                "labels/visible", data=rng.random((count, 14)) > 0.5, chunks=(5, 14),
+                "labels/visible",
+                data=rng.random((count, 14)) > 0.5,
+                chunks=(5, 14),
                 compression="gzip",
             )
     return path

@@ -33,7 +33,7 @@ def test_a_users_hdf5_file_reads_as_dicts_equal_to_h5py(pose):
     for index in range(POSE_COUNT):
         assert_same_sample(dataset[index], want[index])
     order = [5, 0, 23, 5, 11, -1]
-    for index, sample in zip(order, dataset.__getitems__(order)):
+    for index, sample in zip(order, dataset.__getitems__(order), strict=True):
         assert_same_sample(sample, want[index])
     assert isinstance(dataset[0]["imagename"], str)
 
@@ -46,8 +46,13 @@ def test_default_fields_are_the_top_level_datasets(pose):
 def test_contiguous_fields_are_mapped_and_chunked_ones_read_by_h5py(pose):
     dataset = HDF5File(pose, fields=list(ALL))
     mapped = {field.name: field.offset is not None for field in dataset.fields}
-    assert mapped == {"image": True, "part": True, "S": True, "imagename": False,
-                      "labels/visible": False}
+    assert mapped == {
+        "image": True,
+        "part": True,
+        "S": True,
+        "imagename": False,
+        "labels/visible": False,
+    }
 
 
 def test_fields_as_a_tuple_in_the_order_given(pose):
@@ -60,13 +65,20 @@ def test_fields_as_a_tuple_in_the_order_given(pose):
         HDF5Dataset(pose, as_tuple=True)
 
 
-@pytest.mark.parametrize("workers, method", [(0, None), (2, "fork"),
-                                             pytest.param(2, "spawn", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "workers, method", [(0, None), (2, "fork"), pytest.param(2, "spawn", marks=pytest.mark.slow)]
+)
 def test_loader_workers_read_every_field_equal_to_h5py(pose, workers, method):
     dataset = HDF5Dataset(pose, fields=list(ALL))
     context = multiprocessing.get_context(method) if method else None
-    loader = DataLoader(dataset, batch_size=5, num_workers=workers, shuffle=True, seed=1,
-                        multiprocessing_context=context)
+    loader = DataLoader(
+        dataset,
+        batch_size=5,
+        num_workers=workers,
+        shuffle=True,
+        seed=1,
+        multiprocessing_context=context,
+    )
     seen = {}
     for batch in loader:
         for at, name in enumerate(batch["imagename"]):
@@ -97,12 +109,17 @@ def test_misaligned_datasets_are_refused_naming_them(tmp_path):
     assert len(HDF5Dataset(path, fields=["y"])) == 4
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda f: f.create_dataset("scalar", data=3.0), "'scalar' is 0-d"),
-    (lambda f: f.create_dataset("ragged", (4,), dtype=h5py.vlen_dtype(np.int32)),
-     "'ragged' holds .*variable-length"),
-    (lambda f: f.create_dataset("refs", (4,), dtype=h5py.ref_dtype), "'refs' holds"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda f: f.create_dataset("scalar", data=3.0), "'scalar' is 0-d"),
+        (
+            lambda f: f.create_dataset("ragged", (4,), dtype=h5py.vlen_dtype(np.int32)),
+            "'ragged' holds .*variable-length",
+        ),
+        (lambda f: f.create_dataset("refs", (4,), dtype=h5py.ref_dtype), "'refs' holds"),
+    ],
+)
 def test_unreadable_datasets_are_named_at_construction(tmp_path, make, match):
     path = tmp_path / "odd.h5"
     with h5py.File(path, "w") as file:

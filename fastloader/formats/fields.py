@@ -153,12 +153,12 @@ def decode_fields(
         raise PackError(f"{where}: corrupt record (field offsets do not fit the payload)")
     values = []
     start = table
-    for field, end in zip(fields, ends.tolist()):
+    for field, end in zip(fields, ends.tolist(), strict=True):
         data = payload[start : table + end]
         start = table + end
         values.append(_decode_field(field, data, where, image))
     if schema["structure"] == "dict":
-        return {field["name"]: value for field, value in zip(fields, values)}
+        return {field["name"]: value for field, value in zip(fields, values, strict=True)}
     return tuple(values) if schema["structure"] == "tuple" else values
 
 

@@ -46,9 +46,7 @@ from fastloader.formats.records import PackError
 
 __all__ = ["HDF5File", "is_hdf5_pack"]
 
-_PACK_NAMES = frozenset(
-    ("records", "offsets", "targets", "metadata", "sources", "source_offsets")
-)
+_PACK_NAMES = frozenset(("records", "offsets", "targets", "metadata", "sources", "source_offsets"))
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 
@@ -273,9 +271,7 @@ class HDF5File:
                 raise PackError(
                     f"{self.path}: reading dataset {field.name!r} failed ({_short(error)})"
                 ) from None
-        return [
-            {name: column[at] for name, column in columns.items()} for at in range(len(rows))
-        ]
+        return [{name: column[at] for name, column in columns.items()} for at in range(len(rows))]
 
     def _column(self, handle: _Handle, field: _Field, rows: np.ndarray) -> list:
         if field.offset is not None:

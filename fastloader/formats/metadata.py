@@ -23,8 +23,8 @@ import numpy as np
 import xxhash
 
 from fastloader.formats.records import (
-    FORMAT_NAME,
     FIELDS_VERSION,
+    FORMAT_NAME,
     FORMAT_VERSION,
     NEWEST_VERSION,
     STORE_MODES,
@@ -154,7 +154,9 @@ def load_metadata(raw: bytes | str | None, path: Path, backend: str) -> dict[str
         )
     problems = _problems(metadata, backend)
     if ("schema" in metadata) != (version >= FIELDS_VERSION):
-        problems.append("a schema in a pack of another version" if "schema" in metadata else "no schema")
+        problems.append(
+            "a schema in a pack of another version" if "schema" in metadata else "no schema"
+        )
     if problems:
         raise PackError(f"{path}: corrupt metadata ({'; '.join(problems)})")
     if "schema" in metadata:

@@ -36,8 +36,9 @@ Writers bind each record as they append it (``PackWriter.append`` re-seals the r
 ``encode_record`` made, whose checksum is unbound: position 0's seed).
 
 Format version 2 added the checksum, version 3 bound it to positions, version 4 added packs of
-any sample (FIELDS records and a schema; packs of (image, label) are still written as 3). Version-2 packs are
-still read, with unbound checksums (``--info`` says so; re-pack for the binding); version-1
+any sample (FIELDS records and a schema; packs of (image, label) are still written as 3).
+Version-2 packs are still read, with unbound checksums (``--info`` says so; re-pack for the
+binding); version-1
 packs (no checksums) are refused with a message that says to re-pack them (see
 metadata.load_metadata).
 """
