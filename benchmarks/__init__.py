@@ -15,7 +15,9 @@ rows, ratios and notes (see ``report.py`` for the shape):
 - ``cli_startup``: how fast ``fastloader-pack`` answers (``--help``, ``--info``, a usage
   error) and how much of a small pack's wall time is not packing;
 - ``supervision``: time from a worker's death to the next batch, throughput with and without
-  worker supervision.
+  worker supervision;
+- ``any_sample``: a user's pose-style HDF5 file read in place by ``HDF5Dataset`` vs a
+  hand-written h5py Dataset (and, with mosaicml-streaming, a pack of fields vs MDS).
 
 The data is made at run time from the photos scikit-image ships (``_photos.py``).
 """
@@ -30,5 +32,6 @@ COMPARISONS = (
     "distributed",
     "cli_startup",
     "supervision",
+    "any_sample",
 )
 SIZES = ("tiny", "quick", "full")

@@ -221,3 +221,13 @@ def test_a_single_file_lmdb_environment_is_read_too(tmp_path):
     assert dataset.__getitems__([2, 0]) == [b"k3k3k3", b"k1k1k1"]
     again = LMDBDataset(path)  # a second reader in the same process shares the environment
     assert again[1] == b"k2k2k2" and dataset[1] == b"k2k2k2"
+
+
+def test_fixed_length_strings_are_mapped_and_read_as_str(tmp_path):
+    path = tmp_path / "s.h5"
+    names = [f"n{index}".encode() for index in range(6)]
+    with h5py.File(path, "w") as file:
+        file.create_dataset("name", data=np.array(names, dtype="S8"))
+    dataset = HDF5Dataset(path)
+    assert dataset.fields[0].offset is not None
+    assert [dataset[index]["name"] for index in range(6)] == [f"n{i}" for i in range(6)]

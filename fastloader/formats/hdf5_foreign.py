@@ -205,8 +205,11 @@ class HDF5File:
                 f"refused (pass allow_external=True to read it)"
             )
         string = h5py.check_string_dtype(dtype)
-        if string is not None:
-            return _Field(name, "str", dtype, (), None), shape[0]
+        if string is not None:  # fixed-length strings are mapped, variable-length read by h5py
+            mapped = dtype.kind == "S" and not external and len(shape) == 1
+            plain = mapped and layout == h5py.h5d.CONTIGUOUS and not plist.get_nfilters()
+            offset = self._checked_offset(dataset, where) if plain else None
+            return _Field(name, "str", dtype, (), offset), shape[0]
         if dtype.hasobject or h5py.check_vlen_dtype(dtype) is not None:
             raise PackError(
                 f"{where} holds {dtype} values (variable-length or object), which cannot be "
@@ -282,7 +285,10 @@ class HDF5File:
         else:
             values = self._read_sorted(handle.dataset(field.name), rows)
         if field.kind == "str":
-            return [_text(value) for value in values]
+            return [
+                _text(value.rstrip(b"\0") if type(value) is np.bytes_ else value)
+                for value in values
+            ]
         if not values.dtype.isnative and values.dtype.fields is None:  # torch wants native
             values = values.astype(values.dtype.newbyteorder("="))
         if field.kind == "scalar":
