@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import default_collate as torch_default_collate
+from torch.utils.data import get_worker_info
 
 __all__ = ["RaggedFieldError", "default_collate", "pad_ragged", "ragged_as_lists"]
 
@@ -41,10 +42,15 @@ class RaggedFieldError(RuntimeError):
 def default_collate(batch: Sequence[Any]) -> Any:
     """torch's ``default_collate``, with an error naming ragged fields and their shapes.
 
+    The same result as torch's; dict samples of NumPy arrays are stacked faster (NOTE
+    [ Stacking NumPy fields ]).
+
     Raises:
         RaggedFieldError: when a field's arrays differ in shape across the batch.
     """
     try:
+        if batch and type(batch[0]) is dict:
+            return {key: _collate_column([sample[key] for sample in batch]) for key in batch[0]}
         return torch_default_collate(batch)
     except RuntimeError as error:
         ragged = _ragged_fields(batch)
@@ -58,6 +64,41 @@ def default_collate(batch: Sequence[Any]) -> Any:
             f"collate_fn=fastloader.collate.ragged_as_lists (a list per field) or "
             f"fastloader.collate.pad_ragged() (padded, with lengths)"
         ) from error
+
+
+# NOTE [ Stacking NumPy fields ]
+# torch's default_collate turns each sample's NumPy array into a tensor (torch.as_tensor, ~7 us
+# each) and then stacks them: for a pose sample of three arrays that is ~1.3 ms of a 64-sample
+# batch, more than reading it from a mapped file (issue 18's profile). For a column whose
+# values are all plain NumPy arrays of one numeric dtype and shape, np.stack writes them
+# straight into the batch tensor (in a worker, a tensor in shared memory, as torch's collate
+# allocates it, so that sending it copies nothing): the same values, dtype and shape as torch's
+# result. Any other column, and any other sample structure, goes to torch's default_collate.
+
+
+def _collate_column(values: list) -> Any:
+    first = values[0]
+    if type(first) is not np.ndarray or first.dtype.kind not in "biufc":
+        return torch_default_collate(values)
+    dtype = first.dtype
+    if not dtype.isnative or set(map(type, values)) != {np.ndarray}:
+        return torch_default_collate(values)  # torch's handling, or its error
+    out = torch.empty((len(values), *first.shape), dtype=_TORCH_DTYPES.get(dtype) or _dtype(dtype))
+    if get_worker_info() is not None:
+        out.share_memory_()
+    try:  # raises for another shape or a dtype that would need a cast
+        np.stack(values, out=out.numpy(), casting="no")
+    except (ValueError, TypeError):
+        return torch_default_collate(values)  # torch's handling, or its error
+    return out
+
+
+_TORCH_DTYPES: dict[np.dtype, torch.dtype] = {}
+
+
+def _dtype(dtype: np.dtype) -> torch.dtype:
+    _TORCH_DTYPES[dtype] = torch.from_numpy(np.empty(0, dtype)).dtype
+    return _TORCH_DTYPES[dtype]
 
 
 def ragged_as_lists(batch: Sequence[Any]) -> Any:

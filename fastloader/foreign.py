@@ -38,6 +38,8 @@ class _SampleTransforms:
         """The samples ``indices``, read in one batch, ``before_each(index)`` called before each
         sample is shaped and transformed (fastloader.DataLoader seeds its RNGs there)."""
         samples = self.read_many(indices)
+        if self.transform is None:  # no code of the user's runs: nothing to seed
+            return [self._shape(sample) for sample in samples]
         out = []
         for index, sample in zip(indices, samples, strict=True):
             if before_each is not None:
@@ -92,6 +94,13 @@ class HDF5FileDataset(_SampleTransforms, HDF5File, Dataset):
 
     def _shape(self, sample: dict) -> Any:
         return tuple(sample[name] for name in self.field_names) if self.as_tuple else sample
+
+    def getitems_with(
+        self, indices: Sequence[int], before_each: Callable[[int], None] | None
+    ) -> list:
+        if self.transform is None and not self.as_tuple:  # the dicts as read: the fast path
+            return self.read_many(indices)
+        return super().getitems_with(indices, before_each)
 
 
 class LMDBFileDataset(_SampleTransforms, LMDBFile, Dataset):

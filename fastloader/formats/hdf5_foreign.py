@@ -285,10 +285,9 @@ class HDF5File:
         else:
             values = self._read_sorted(handle.dataset(field.name), rows)
         if field.kind == "str":
-            return [
-                _text(value.rstrip(b"\0") if type(value) is np.bytes_ else value)
-                for value in values
-            ]
+            if values.dtype.kind == "S":  # fixed length: bytes without the padding
+                return [value.decode("utf-8", "surrogateescape") for value in values.tolist()]
+            return [_text(value) for value in values]
         if not values.dtype.isnative and values.dtype.fields is None:  # torch wants native
             values = values.astype(values.dtype.newbyteorder("="))
         if field.kind == "scalar":
@@ -308,6 +307,11 @@ class HDF5File:
 
     def _rows(self, indices: Sequence[int]) -> np.ndarray:
         count = self._count
+        if type(indices) is list and indices and all(type(index) is int for index in indices):
+            rows = np.array(indices, dtype=np.int64)  # the loader's batches: one conversion
+            rows[rows < 0] += count
+            if rows.min() >= 0 and rows.max() < count:
+                return rows
         rows = []
         for index in indices:
             if isinstance(index, np.integer) or is_tensor(index):
