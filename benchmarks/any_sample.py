@@ -3,7 +3,7 @@
 The file is what a pose-estimation user keeps (issue 18): ``image`` N x 40 x 40 x 3 uint8,
 ``part`` N x 14 x 2 float32, ``S`` N x 14 x 3 float64 and ``imagename`` N fixed-length strings,
 written by h5py's ``create_dataset`` (contiguous, uncompressed). Every row reads random-order
-epochs with 2 workers, batch 64:
+epochs with 2 workers, in batches of 64 and of 256:
 
 - ``h5py Dataset, torch DataLoader``: the careful hand-written Dataset users write (the file
   opened lazily in each worker, dataset handles kept, one ``f[name][i]`` per field), read by
@@ -38,7 +38,7 @@ from benchmarks.formats import close_loader
 
 SIZES = {"tiny": (400, 2), "quick": (20_000, 5), "full": (40_000, 7)}  # samples, rounds
 WORKERS = 2
-BATCH = 64
+BATCHES = (64, 256)  # the per-batch costs of a loader (IPC, shared memory) weigh less at 256
 SIDE = 40
 MIB = 1024 * 1024
 
@@ -108,55 +108,34 @@ def _interleaved(loaders: dict[str, Any], rounds: int) -> dict[str, list[float]]
     return rates
 
 
-def _rows(rates: dict[str, list[float]], baseline: str, sizes: dict[str, int]) -> tuple:
-    rows, ratios = [], {}
+def _rows(rates: dict[str, list[float]], baseline: str, batch: int, sizes: dict) -> list[dict]:
+    rows = []
     for name, rate in rates.items():
-        row = {"reader": name, "samples_per_s": round(statistics.median(rate), 1)}
+        row = {"reader": name, "batch": batch, "samples_per_s": round(statistics.median(rate), 1)}
         if name in sizes:
             row["size_mib"] = round(sizes[name] / MIB, 1)
         if name != baseline:
             row["vs_baseline"] = round(paired_ratio(rate, rates[baseline]), 2)
         rows.append(row)
-    return rows, ratios
+    return rows
 
 
 def run(size: str, workdir: Path) -> dict:
     """Run the comparison at ``size`` ("tiny", "quick", "full") with data in ``workdir``."""
-    import fastloader
-
     count, rounds = SIZES[size]
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     path = make_pose_file(workdir / f"pose-{count}.h5", count)
-    common = {"batch_size": BATCH, "num_workers": WORKERS, "shuffle": True}
-    loaders = {
-        "h5py Dataset, torch DataLoader": TorchDataLoader(
-            H5pyPoseDataset(path), persistent_workers=True, **common
-        ),
-        "h5py Dataset, fastloader.DataLoader": fastloader.DataLoader(
-            H5pyPoseDataset(path), **common
-        ),
-        "fastloader.HDF5Dataset": fastloader.DataLoader(fastloader.HDF5Dataset(path), **common),
-    }
-    try:
-        rates = _interleaved(loaders, rounds)
-    finally:
-        for loader in loaders.values():
-            close_loader(loader)
-    baseline = "h5py Dataset, torch DataLoader"
-    rows, _ = _rows(rates, baseline, {})
-    ratios = {
-        "hdf5dataset_vs_h5py_torch": round(
-            paired_ratio(rates["fastloader.HDF5Dataset"], rates[baseline]), 2
-        ),
-        "hdf5dataset_vs_h5py_fastloader": round(
-            paired_ratio(
-                rates["fastloader.HDF5Dataset"], rates["h5py Dataset, fastloader.DataLoader"]
-            ),
-            2,
-        ),
-    }
-    notes = [f"{count} samples, {WORKERS} workers, batch {BATCH}, {rounds} interleaved rounds"]
+    rows, ratios = [], {}
+    for batch in BATCHES:
+        batch_rows, batch_ratios = _hdf5_in_place(path, batch, rounds)
+        rows += batch_rows
+        ratios.update(batch_ratios)
+    notes = [
+        f"{count} samples ({SIDE}x{SIDE}x3 uint8 image, 14x2 float32, 14x3 float64, a name), "
+        f"{WORKERS} workers, random order, batches of {' and '.join(map(str, BATCHES))}, "
+        f"{rounds} interleaved rounds"
+    ]
     packed = _packed_vs_mds(path, workdir, count, rounds)
     if packed is None:
         notes.append("MDS comparison skipped: mosaicml-streaming is not installed")
@@ -164,6 +143,32 @@ def run(size: str, workdir: Path) -> dict:
         rows += packed["rows"]
         ratios.update(packed["ratios"])
     return {"rows": rows, "ratios": ratios, "notes": notes}
+
+
+def _hdf5_in_place(path: Path, batch: int, rounds: int) -> tuple[list[dict], dict]:
+    import fastloader
+
+    common = {"batch_size": batch, "num_workers": WORKERS, "shuffle": True}
+    baseline = "h5py Dataset, torch DataLoader"
+    loaders = {
+        baseline: TorchDataLoader(H5pyPoseDataset(path), persistent_workers=True, **common),
+        "fastloader.HDF5Dataset": fastloader.DataLoader(fastloader.HDF5Dataset(path), **common),
+    }
+    if batch == BATCHES[0]:
+        loaders["h5py Dataset, fastloader.DataLoader"] = fastloader.DataLoader(
+            H5pyPoseDataset(path), **common
+        )
+    try:
+        rates = _interleaved(loaders, rounds)
+    finally:
+        for loader in loaders.values():
+            close_loader(loader)
+    ratios = {
+        f"hdf5dataset_vs_h5py_batch{batch}": round(
+            paired_ratio(rates["fastloader.HDF5Dataset"], rates[baseline]), 2
+        )
+    }
+    return _rows(rates, baseline, batch, {}), ratios
 
 
 def _packed_vs_mds(path: Path, workdir: Path, count: int, rounds: int) -> dict | None:
@@ -182,8 +187,12 @@ def _packed_vs_mds(path: Path, workdir: Path, count: int, rounds: int) -> dict |
     started = time.perf_counter()
     fastloader.pack(source, lmdb_path, schema={"image": "image"}, store="raw", workers=WORKERS)
     pack_seconds = time.perf_counter() - started
-    columns = {"image": "ndarray:uint8", "part": "ndarray:float32", "S": "ndarray:float64",
-               "imagename": "str"}
+    columns = {
+        "image": "ndarray:uint8",
+        "part": "ndarray:float32",
+        "S": "ndarray:float64",
+        "imagename": "str",
+    }
     started = time.perf_counter()
     with MDSWriter(out=str(mds_dir), columns=columns, size_limit=1 << 26) as writer:
         for start in range(0, count, 1024):
@@ -191,32 +200,31 @@ def _packed_vs_mds(path: Path, workdir: Path, count: int, rounds: int) -> dict |
                 writer.write(sample)
     mds_seconds = time.perf_counter() - started
     mds_bytes = sum(file.stat().st_size for file in mds_dir.rglob("*") if file.is_file())
-    common = {"batch_size": BATCH, "num_workers": WORKERS}
-    mds = StreamingDataset(local=str(mds_dir), shuffle=True, batch_size=BATCH)
-    loaders = {
-        "MDS StreamingDataset, torch DataLoader": TorchDataLoader(
-            mds, persistent_workers=True, **common
-        ),
-        "fastloader LMDB pack": fastloader.DataLoader(
-            fastloader.LMDBDataset(lmdb_path, decode="numpy"), shuffle=True, **common
-        ),
-    }
-    try:
-        rates = _interleaved(loaders, rounds)
-    finally:
-        for loader in loaders.values():
-            close_loader(loader)
     baseline = "MDS StreamingDataset, torch DataLoader"
-    sizes = {baseline: mds_bytes, "fastloader LMDB pack": lmdb_path.stat().st_size}
-    rows, _ = _rows(rates, baseline, sizes)
-    rows[0]["pack_s"] = round(mds_seconds, 1)
-    rows[1]["pack_s"] = round(pack_seconds, 1)
-    ratio = paired_ratio(rates["fastloader LMDB pack"], rates[baseline])
-    return {
-        "rows": rows,
-        "ratios": {
-            "lmdb_pack_vs_mds_read": round(ratio, 2),
-            "lmdb_pack_vs_mds_pack_seconds": round(pack_seconds / mds_seconds, 2),
-            "lmdb_pack_vs_mds_bytes": round(sizes["fastloader LMDB pack"] / mds_bytes, 3),
-        },
-    }
+    ours = "fastloader LMDB pack"
+    sizes = {baseline: mds_bytes, ours: lmdb_path.stat().st_size}
+    rows, ratios = [], {}
+    for batch in BATCHES:
+        common = {"batch_size": batch, "num_workers": WORKERS}
+        mds = StreamingDataset(local=str(mds_dir), shuffle=True, batch_size=batch)
+        loaders = {
+            baseline: TorchDataLoader(mds, persistent_workers=True, **common),
+            ours: fastloader.DataLoader(
+                fastloader.LMDBDataset(lmdb_path, decode="numpy"), shuffle=True, **common
+            ),
+        }
+        try:
+            rates = _interleaved(loaders, rounds)
+        finally:
+            for loader in loaders.values():
+                close_loader(loader)
+        batch_rows = _rows(rates, baseline, batch, sizes)
+        batch_rows[0]["pack_s"] = round(mds_seconds, 1)
+        batch_rows[1]["pack_s"] = round(pack_seconds, 1)
+        rows += batch_rows
+        ratios[f"lmdb_pack_vs_mds_read_batch{batch}"] = round(
+            paired_ratio(rates[ours], rates[baseline]), 2
+        )
+    ratios["lmdb_pack_seconds_over_mds"] = round(pack_seconds / mds_seconds, 2)
+    ratios["lmdb_bytes_over_mds"] = round(sizes[ours] / mds_bytes, 3)
+    return {"rows": rows, "ratios": ratios}

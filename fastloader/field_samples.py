@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from fastloader.decoding import fuse
-from fastloader.formats.fields import IMAGE_RAW, decode_fields
+from fastloader.formats.fields import IMAGE_RAW, FieldsDecoder
 from fastloader.formats.records import PackError, Record, RecordKind
 
 __all__ = ["check_fields_options", "load_fields"]
@@ -68,10 +68,14 @@ def load_fields(dataset: Any, position: int, buffer: Any) -> Any:
         plain = lambda: decode_image(record, mode, f"{where} field {name!r}")  # noqa: E731
         return fused.apply_encoded(data, plain, mode)
 
+    decoder = dataset.__dict__.get("_fields_decoder")
+    if decoder is None:
+        decoder = dataset._fields_decoder = FieldsDecoder(dataset.schema)
+
     def decode(record: Record) -> Any:
         if record.kind is not RecordKind.FIELDS:
             raise PackError(f"{where}: an image record in a pack of fields (corrupt pack)")
-        return decode_fields(record.payload, dataset.schema, where, image)
+        return decoder.decode(record.payload, where, image)
 
     sample = dataset._checked(position, buffer, decode)
     if dataset.transform is not None and fused is None:
