@@ -22,6 +22,8 @@ _EXPORTS = {
     "DevicePrefetcher": "fastloader.device",
     "EpochStats": "fastloader.stats",
     "HDF5Dataset": "fastloader.datasets",
+    "HDF5FileDataset": "fastloader.foreign",
+    "LMDBFileDataset": "fastloader.foreign",
     "ImageFolder": "fastloader.folder",
     "LMDBDataset": "fastloader.datasets",
     "LoaderStats": "fastloader.stats",
@@ -38,13 +40,16 @@ _EXPORTS = {
     "verify": "fastloader.formats.verify",
     "VerifyReport": "fastloader.formats.verify",
 }
+_SUBMODULES = {"collate"}  # public modules: fastloader.collate.pad_ragged, ...
 __all__ = [
     "DataLoader",
     "DevicePrefetcher",
     "EpochStats",
     "HDF5Dataset",
+    "HDF5FileDataset",
     "ImageFolder",
     "LMDBDataset",
+    "LMDBFileDataset",
     "LoaderStats",
     "Normalize",
     "PackSummary",
@@ -60,14 +65,17 @@ __all__ = [
     "verify",
     "VerifyReport",
     "WorkersLostError",
+    "collate",
 ]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from fastloader import collate
     from fastloader._supervision import PoisonSampleError, WorkersLostError
     from fastloader.datasets import HDF5Dataset, LMDBDataset, open_pack
     from fastloader.device import DevicePrefetcher, move_to_device, pin, resolve_device
     from fastloader.folder import ImageFolder
+    from fastloader.foreign import HDF5FileDataset, LMDBFileDataset
     from fastloader.formats import PackError, read_metadata
     from fastloader.formats.verify import VerifyReport, verify
     from fastloader.loader import DataLoader
@@ -99,7 +107,9 @@ _SUBMODULES = frozenset(
 
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
-        return importlib.import_module(f"fastloader.{name}")  # sets the attribute itself
+        value = importlib.import_module(f"fastloader.{name}")
+        globals()[name] = value
+        return value
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'fastloader' has no attribute {name!r}")

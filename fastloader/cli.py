@@ -69,7 +69,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     )
     if not subcommand:
         parser.add_argument("--version", action="version", version=version_line())
-    parser.add_argument("src", nargs="?", metavar="SRC", help="the image folder")
+    parser.add_argument(
+        "src",
+        nargs="?",
+        metavar="SRC",
+        help="the image folder, or an HDF5 file of aligned datasets (one sample per row)",
+    )
     parser.add_argument(
         "dst", nargs="?", metavar="DST", help="the pack file to write: NAME.lmdb, .h5 or .hdf5"
     )
@@ -124,6 +129,18 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="skip an image that takes longer to decode in a worker process (default 120)",
     )
+    parser.add_argument(
+        "--fields",
+        metavar="A,B",
+        help="for an HDF5 SRC: the datasets to pack, by path (default: every top-level one)",
+    )
+    parser.add_argument(
+        "--image-field",
+        action="append",
+        metavar="NAME",
+        help="for an HDF5 SRC: a uint8 (N,H,W[,C]) dataset to store as images (with --store; "
+        "repeat for several)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     parser.add_argument(
         "--strict", action="store_true", help="fail on the first unreadable image (else skip it)"
@@ -166,6 +183,8 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
         parser.error("--workers must be 0 or more")
     if args.image_timeout is not None and not args.image_timeout > 0:
         parser.error("--image-timeout must be a positive number of seconds")
+    if (args.fields or args.image_field) and (args.src is None or os.path.isdir(args.src)):
+        parser.error("--fields and --image-field apply to an HDF5 file SRC")
     return args
 
 
@@ -199,10 +218,20 @@ def describe(path: str) -> str:
         f"classes:  {len(classes)}" + (f" ({names})" if classes else ""),
         f"size:     {_human_size(os.path.getsize(path))}",
     ]
+    schema = metadata.get("schema")
+    if schema is not None:  # a pack of any sample
+        lines[4] = f"samples:  {schema['structure']} of {len(schema['fields'])} fields"
+        lines[5:5] = [f"  {_field_text(field)}" for field in schema["fields"]]
     if info:
         lines.append("info:")
         lines += [f"  {key}: {value}" for key, value in sorted(info.items())]
     return "\n".join(lines)
+
+
+def _field_text(field: dict) -> str:
+    if field["kind"] == "array":
+        return f"{field['name']}: {field['ndim']}-d array of {field['dtype']}"
+    return f"{field['name']}: {field['kind']}"
 
 
 def _human_size(size: float) -> str:
@@ -236,8 +265,11 @@ def _run_pack(args: argparse.Namespace, prog: str) -> int:
             extra = {} if args.check is None else {"check": args.check}
             if args.image_timeout is not None:
                 extra["image_timeout"] = args.image_timeout
+            source, schema = _source(args)
+            if schema is not None:
+                extra["schema"] = schema
             summary = pack(
-                args.src,
+                source,
                 args.dst,
                 format=args.format,
                 store=args.store,
@@ -275,6 +307,28 @@ def _run_pack(args: argparse.Namespace, prog: str) -> int:
     for where, reason in summary.skipped:
         print(f"{prog}: skipped {where}: {reason}", file=sys.stderr)
     return 0
+
+
+def _source(args: argparse.Namespace) -> tuple[Any, dict | None]:
+    """What to pack: the folder, or a user's HDF5 file as a dataset of dict samples, with the
+    schema naming its image fields (docs/any-sample.md). Torch is not imported either way."""
+    src = args.src
+    if os.path.isdir(src) or not os.path.isfile(src):
+        return src, None  # a folder (pack() reports a missing one)
+    with open(src, "rb") as file:
+        if file.read(8) != b"\x89HDF\r\n\x1a\n":
+            raise ValueError(f"{src}: SRC must be an image folder or an HDF5 file")
+    from fastloader.formats.hdf5_foreign import HDF5File
+
+    fields = [name for name in args.fields.split(",") if name] if args.fields else None
+    images = list(args.image_field or [])
+    if fields is not None:
+        fields += [name for name in images if name not in fields]
+    dataset = HDF5File(src, fields)
+    missing = [name for name in images if name not in dataset.field_names]
+    if missing:
+        raise ValueError(f"{src}: --image-field {missing[0]}: no such dataset in the file")
+    return dataset, {name: "image" for name in images}
 
 
 def _run_info(path: str, prog: str) -> int:

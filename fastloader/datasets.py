@@ -21,6 +21,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from fastloader.decoding import channels_first, fuse, to_pil
+from fastloader.field_samples import check_fields_options, load_fields
 from fastloader.formats.hdf5 import HDF5Pack
 from fastloader.formats.lmdb import LMDBPack
 from fastloader.formats.packfile import PackFile, PackWriter, check_file, file_identity
@@ -60,13 +61,16 @@ class PackedDataset(PackFile, Dataset):
         decode: str = "pil",
         *,
         verify_checksums: bool = True,
+        sample_transform: Callable | None = None,
     ) -> None:
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
         self.transform = transform
         self.target_transform = target_transform
         self.decode = decode
+        self.sample_transform = sample_transform
         PackFile.__init__(self, path, verify_checksums=verify_checksums)
+        self._image_field = check_fields_options(self)
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         return self.__getitems__([index])[0]
@@ -101,6 +105,8 @@ class PackedDataset(PackFile, Dataset):
         See NOTE [ Fused decoding ] in fastloader/decoding.py (raw pixels are cropped from the
         file's memory before any copy).
         """
+        if self.schema is not None:  # a pack of any sample
+            return load_fields(self, position, buffer)
         fused = fuse(self.transform) if self.decode != "bytes" else None
         where = f"{self.path} record {position}"
         if fused is None:  # decoded, checked (NOTE [ Checksum after the copy ]), transformed
@@ -212,7 +218,19 @@ class LMDBDataset(LMDBPack, PackedDataset):
         PackError: if it is empty, truncated, damaged, not a fastloader LMDB pack, unfinished,
             or from another format version.
         ValueError: for an unknown ``decode``.
+
+    An LMDB environment that is not a fastloader pack (a folder with ``data.mdb``, or a file
+    whose keys are not a pack's) is read in place: see ``fastloader.foreign.LMDBFileDataset``,
+    which ``LMDBDataset(path, keys=..., decode=callable, transform=...)`` then returns
+    (NOTE [ Packs or users' own files ]).
     """
+
+    def __new__(cls, path: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if cls is LMDBDataset and path is not None and _foreign(path, "lmdb"):
+            from fastloader.foreign import LMDBFileDataset
+
+            return LMDBFileDataset(path, *args, **kwargs)
+        return super().__new__(cls)
 
 
 class HDF5Dataset(HDF5Pack, PackedDataset):
@@ -231,11 +249,48 @@ class HDF5Dataset(HDF5Pack, PackedDataset):
         PackError: if it is empty, truncated, damaged, not a fastloader HDF5 pack (or not laid
             out as fastloader writes them), unfinished, or from another format version.
         ValueError: for an unknown ``decode``.
+
+    An HDF5 file that is not a fastloader pack (a user's own file of aligned datasets) is read
+    in place: ``HDF5Dataset(path, fields=None, transform=None, as_tuple=False)`` then returns a
+    ``fastloader.foreign.HDF5FileDataset`` whose samples are ``{dataset name: row}`` dicts
+    (NOTE [ Packs or users' own files ]; docs/any-sample.md).
     """
+
+    def __new__(cls, path: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if cls is HDF5Dataset and path is not None and _foreign(path, "hdf5"):
+            from fastloader.foreign import HDF5FileDataset
+
+            return HDF5FileDataset(path, *args, **kwargs)
+        return super().__new__(cls)
+
+
+# NOTE [ Packs or users' own files ]
+# One name opens both: `HDF5Dataset("pose.h5")` on a user's file must not fail with "not a
+# fastloader pack". The class's __new__ looks at the file first (formats.hdf5_foreign.
+# is_hdf5_pack, formats.lmdb_foreign.is_lmdb_pack: the top-level names, or the first and last
+# keys) and returns the foreign dataset for anything that is not laid out as a pack; Python then
+# skips __init__, since the object is not an HDF5Dataset. A damaged, truncated or interrupted
+# pack still goes to the pack reader, which says what is wrong with it. Subclasses and
+# unpickling (which calls __new__ without a path) always get the pack dataset.
+
+
+def _foreign(path: Any, backend: str) -> bool:
+    if not isinstance(path, (str, os.PathLike)) or not os.path.exists(path):
+        return False  # the pack reader raises the error
+    if backend == "hdf5":
+        from fastloader.formats.hdf5_foreign import is_hdf5_pack
+
+        return not os.path.isdir(path) and not is_hdf5_pack(path)
+    from fastloader.formats.lmdb_foreign import is_lmdb_pack
+
+    return not is_lmdb_pack(path)
 
 
 def open_pack(path: str | os.PathLike, **kwargs: Any) -> LMDBDataset | HDF5Dataset:
     """Open a pack of either format, recognised by its content; kwargs go to the dataset.
+
+    Only packs: a user's own HDF5 file or LMDB environment is refused (``HDF5Dataset`` and
+    ``LMDBDataset`` read those in place).
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
@@ -247,4 +302,7 @@ def open_pack(path: str | os.PathLike, **kwargs: Any) -> LMDBDataset | HDF5Datas
 
     path = Path(path)
     check_file(path)
-    return {"lmdb": LMDBDataset, "hdf5": HDF5Dataset}[sniff_format(path)](path, **kwargs)
+    cls = {"lmdb": LMDBDataset, "hdf5": HDF5Dataset}[sniff_format(path)]
+    dataset = PackedDataset.__new__(cls)  # a pack, never a user's own file
+    dataset.__init__(path, **kwargs)
+    return dataset

@@ -141,6 +141,10 @@ class DataLoader(TorchDataLoader[T_co]):
             sampler = EpochShuffleSampler(dataset, seed)
             shuffle = None
 
+        if collate_fn is None and (batch_size is not None or batch_sampler is not None):
+            from fastloader.collate import default_collate  # names ragged fields in its error
+
+            collate_fn = default_collate
         super().__init__(
             dataset,
             batch_size=batch_size,

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 from tqdm import tqdm
 
+from fastloader._pack_fields import FieldsEncoder, infer_schema, is_fields_sample
 from fastloader._pack_pool import IMAGE_SECONDS, encode_in_workers
 from fastloader._pack_process import (
     file_identity,
@@ -91,10 +92,15 @@ class PackSummary:
     def headline(self) -> str:
         """One line: what was packed, where, how big, how fast."""
         return (
-            f"packed {self.count} images of {len(self.classes)} classes into {self.path} "
+            f"packed {self.count} {self._what()} into {self.path} "
             f"({self.format}, store={self.store}, {human_size(self.size_bytes)}) "
             f"in {self.seconds:.{1 if self.seconds >= 1 else 2}f} s"  # a quick pack is not "0.0 s"
         )
+
+    def _what(self) -> str:
+        if not self.classes:  # a pack of any sample
+            return "samples"
+        return f"images of {len(self.classes)} classes"
 
     def __str__(self) -> str:
         lines = [
@@ -182,6 +188,7 @@ class _Job(NamedTuple):
     source: str
     parallel: bool  # False when the encoder cannot reach worker processes
     relative: Callable[[int], str] | None = None  # item i's path relative to SRC, if a file
+    schema: dict | None = None  # a pack of any sample (formats/fields.py)
 
 
 def _folder_job(root: str | os.PathLike, options: Options) -> _Job:
@@ -197,16 +204,41 @@ def _folder_job(root: str | os.PathLike, options: Options) -> _Job:
     )
 
 
-def _dataset_job(dataset: Any, options: Options, classes: Sequence[str] | None) -> _Job:
+def _dataset_job(
+    dataset: Any, options: Options, classes: Sequence[str] | None, schema: Any = None
+) -> _Job:
     if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
         raise TypeError(f"source must be an image folder or a map-style dataset, not {dataset!r}")
     if len(dataset) == 0:
         raise ValueError("the dataset is empty")
+    # A dataset with classes holds (image, label) samples; see NOTE [ Samples of fields ].
+    labelled = classes is not None or getattr(dataset, "classes", None) is not None
+    if schema is not None or (not labelled and is_fields_sample(dataset[0])):
+        return _fields_job(dataset, options, classes, schema)
     names = _dataset_classes(dataset, classes)
     parallel = _start_method() == "fork" or _picklable(dataset)
     encoder = DatasetEncoder(dataset, options, len(names))
     source = f"{type(dataset).__module__}.{type(dataset).__qualname__}"
     return _Job(encoder, range(len(dataset)), str, names, source, parallel)
+
+
+# NOTE [ Samples of fields ]
+# pack(dataset) writes a pack of (image, label) records when the samples are image-and-int
+# pairs, or the dataset says it classifies (a `classes` attribute, or classes=): what
+# ImageFolder-like datasets give, and what older fastloader read. Anything else (dicts, tuples
+# of other lengths or kinds, or schema=) is a pack of any sample (format 4, formats/fields.py).
+# Deciding needs sample 0, read once in this process.
+
+
+def _fields_job(dataset: Any, options: Options, classes: Any, schema: Any) -> _Job:
+    """A pack of any sample: the schema from sample 0 (NOTE [ Fields payload ] in fields.py)."""
+    if classes is not None:
+        raise ValueError("classes= is for (image, label) samples; this dataset's have fields")
+    schema = infer_schema(dataset[0], schema)
+    parallel = _start_method() == "fork" or _picklable(dataset)
+    source = f"{type(dataset).__module__}.{type(dataset).__qualname__}"
+    encoder = FieldsEncoder(dataset, options, schema)
+    return _Job(encoder, range(len(dataset)), str, [], source, parallel, schema=schema)
 
 
 def _dataset_classes(dataset: Any, classes: Sequence[str] | None) -> list[str]:
@@ -328,6 +360,7 @@ def pack(
     classes: Sequence[str] | None = None,
     check: str = "full",
     image_timeout: float = IMAGE_SECONDS,
+    schema: dict | None = None,
 ) -> PackSummary:
     """Pack an image folder or a map-style dataset into one LMDB or HDF5 file.
 
@@ -368,6 +401,11 @@ def pack(
             ``image_timeout`` to encode (see NOTE [ Per-image limits when packing ]).
         image_timeout: the seconds one image may take in a worker process before it is
             stopped and skipped.
+        schema: for a dataset of samples with fields (dicts, or tuples other than ``(image,
+            label)``: a pack of any sample, see docs/any-sample.md), ``{field: kind}`` for the
+            fields whose kind is not what sample 0 shows (``{"image": "image"}`` stores a uint8
+            array as an image), or a whole schema. Each sample is checked against the schema
+            inferred from sample 0 and this.
 
     Returns:
         a :class:`PackSummary` of what was written and skipped.
@@ -381,6 +419,8 @@ def pack(
             range (naming the sample), or when no image at all could be read.
         BadImageError: with ``strict=True``, naming the first image that cannot be read.
         TypeError: if a dataset sample is not ``(image, int label)``, naming its index.
+        SampleSchemaError: (a ValueError) for a sample of fields that does not fit the schema,
+            naming its index and the field.
     """
     started = time.perf_counter()
     _check_options(store, quality, max_side, short_side, format)
@@ -399,7 +439,7 @@ def pack(
             raise ValueError("classes= is for datasets: an image folder's classes are its folders")
         job = _folder_job(source, options)
     else:
-        job = _dataset_job(source, options, classes)
+        job = _dataset_job(source, options, classes, schema)
     if workers is None:
         # Quick-checking the files of a folder kept as they are (store="encoded") costs less
         # than sending them between processes: measured 1.6x faster in this process. The full
@@ -422,6 +462,7 @@ def pack(
     writer = None
     try:
         writer = open_writer(temp, format, store=store, classes=job.classes, info=info)
+        writer.schema = job.schema
         results = _encode_all(job.encoder, job.items, workers, image_timeout)
         show = sys.stderr.isatty() if progress is None else progress
         bar = tqdm(total=len(job.items), desc=target.name, unit="img", disable=not show)

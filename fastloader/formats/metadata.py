@@ -23,8 +23,10 @@ import numpy as np
 import xxhash
 
 from fastloader.formats.records import (
+    FIELDS_VERSION,
     FORMAT_NAME,
     FORMAT_VERSION,
+    NEWEST_VERSION,
     STORE_MODES,
     UNBOUND_VERSION,
     PackError,
@@ -56,11 +58,15 @@ def make_metadata(
     info: dict | None,
     checksums: dict[str, str],
     sources: bool,
+    schema: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Return the metadata object a writer stores last, once every record is written."""
+    """Return the metadata object a writer stores last, once every record is written.
+
+    With ``schema`` (a pack of any sample, formats/fields.py) the pack is format 4.
+    """
     metadata = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": FORMAT_VERSION if schema is None else FIELDS_VERSION,
         "backend": backend,
         "store": store,
         "count": int(count),
@@ -69,6 +75,8 @@ def make_metadata(
         "sources": bool(sources),
         "checksums": dict(checksums),
     }
+    if schema is not None:
+        metadata["schema"] = schema
     metadata["checksum"] = array_checksum(_canonical(metadata))
     return metadata
 
@@ -127,10 +135,10 @@ def load_metadata(raw: bytes | str | None, path: Path, backend: str) -> dict[str
     version = metadata.get("version")
     if not _is_int(version) or version < 1:
         raise PackError(f"{path}: corrupt metadata (format version {str(version)[:40]!r})")
-    if version > FORMAT_VERSION:
+    if version > NEWEST_VERSION:
         raise PackError(
             f"{path}: written by a newer fastloader (format version {version}; this version "
-            f"reads up to {FORMAT_VERSION}): upgrade fastloader"
+            f"reads up to {NEWEST_VERSION}): upgrade fastloader"
         )
     if version < UNBOUND_VERSION:
         raise PackError(
@@ -145,8 +153,16 @@ def load_metadata(raw: bytes | str | None, path: Path, backend: str) -> dict[str
             f"computed {actual})"
         )
     problems = _problems(metadata, backend)
+    if ("schema" in metadata) != (version >= FIELDS_VERSION):
+        problems.append(
+            "a schema in a pack of another version" if "schema" in metadata else "no schema"
+        )
     if problems:
         raise PackError(f"{path}: corrupt metadata ({'; '.join(problems)})")
+    if "schema" in metadata:
+        from fastloader.formats.fields import check_schema
+
+        check_schema(metadata["schema"], path)
     return metadata
 
 
@@ -162,7 +178,7 @@ def _problems(metadata: dict[str, Any], backend: str) -> list[str]:
     classes = metadata.get("classes")
     if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
         problems.append("classes is not a list of names")
-    elif not classes:
+    elif not classes and "schema" not in metadata:
         problems.append("no classes")
     elif len(set(classes)) != len(classes):
         problems.append("class names repeat")
@@ -209,6 +225,10 @@ def check_targets(targets: np.ndarray, metadata: dict[str, Any], path: Path) -> 
         )
     check_array(targets, "labels", metadata, path)
     classes = len(metadata["classes"])
+    if "schema" in metadata:  # a pack of any sample: no labels (all 0)
+        if len(targets) and (targets.min() != 0 or targets.max() != 0):
+            raise PackError(f"{path}: corrupt pack (labels in a pack of fields)")
+        return targets.astype(np.int64, copy=False)
     if len(targets) and (targets.min() < 0 or targets.max() >= classes):
         raise PackError(f"{path}: corrupt pack (a label is outside the {classes} classes)")
     return targets.astype(np.int64, copy=False)

@@ -119,6 +119,8 @@ class PackFile:
         self.classes: list[str] = list(self.metadata["classes"])
         self.class_to_idx = {name: index for index, name in enumerate(self.classes)}
         self.store: str = self.metadata["store"]
+        #: how samples of many fields are stored (formats/fields.py); None: (image, label)
+        self.schema: dict | None = self.metadata.get("schema")
 
     # --- backend interface -------------------------------------------------------------------
     def _open(self) -> Any:
@@ -341,6 +343,7 @@ class PackWriter:
         self.store = store
         self.classes = list(classes)
         self.info = dict(info or {})
+        self.schema: dict | None = None  # a pack of any sample sets it (formats/fields.py)
         self.count = 0  # records appended so far
         self.bytes_written = 0
         self._labels = array("q")
@@ -400,6 +403,7 @@ class PackWriter:
                 self.info,
                 checksums,
                 bool(self._with_sources),
+                self.schema,
             )
         )
 

@@ -35,8 +35,10 @@ any other position fails its checksum. It costs nothing (XXH3 takes the seed as 
 Writers bind each record as they append it (``PackWriter.append`` re-seals the record that
 ``encode_record`` made, whose checksum is unbound: position 0's seed).
 
-Format version 2 added the checksum, version 3 bound it to positions. Version-2 packs are
-still read, with unbound checksums (``--info`` says so; re-pack for the binding); version-1
+Format version 2 added the checksum, version 3 bound it to positions, version 4 added packs of
+any sample (FIELDS records and a schema; packs of (image, label) are still written as 3).
+Version-2 packs are still read, with unbound checksums (``--info`` says so; re-pack for the
+binding); version-1
 packs (no checksums) are refused with a message that says to re-pack them (see
 metadata.load_metadata).
 """
@@ -51,7 +53,9 @@ import numpy as np
 import xxhash
 
 FORMAT_NAME = "fastloader-pack"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 3  # what packs of (image, label) records are written as
+FIELDS_VERSION = 4  # packs of any sample: FIELDS records and a schema (formats/fields.py)
+NEWEST_VERSION = FIELDS_VERSION  # the newest this version of fastloader reads
 UNBOUND_VERSION = 2  # the last format whose record checksums are not bound to positions
 STORE_MODES = ("encoded", "raw", "jpeg")
 
@@ -73,6 +77,7 @@ class RecordKind(IntEnum):
 
     ENCODED = 0
     RAW = 1
+    FIELDS = 2  # every field of a sample (format 4: NOTE [ Fields payload ] in fields.py)
 
 
 _KINDS = tuple(RecordKind)  # by value: an index is cheaper than RecordKind(value) per read
@@ -198,7 +203,7 @@ def decode_record(
         damaged = checksum_error(view, where, position)
         if damaged is not None:
             raise damaged
-    if magic != _MAGIC or kind not in (RecordKind.ENCODED, RecordKind.RAW):
+    if magic != _MAGIC or kind >= len(_KINDS):
         raise PackError(f"{where}: not a fastloader record (bad header)")
     if len(view) - HEADER_SIZE != length:
         raise PackError(
