@@ -27,7 +27,7 @@ _EXPORTS = {
     "ImageFolder": "fastloader.folder",
     "LMDBDataset": "fastloader.datasets",
     "LoaderStats": "fastloader.stats",
-    "Normalize": "fastloader.transforms",
+    "Normalize": "fastloader.device",
     "PackSummary": "fastloader.pack",
     "PackError": "fastloader.formats",
     "move_to_device": "fastloader.device",
@@ -73,7 +73,13 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from fastloader import collate
     from fastloader._supervision import PoisonSampleError, WorkersLostError
     from fastloader.datasets import HDF5Dataset, LMDBDataset, open_pack
-    from fastloader.device import DevicePrefetcher, move_to_device, pin, resolve_device
+    from fastloader.device import (
+        DevicePrefetcher,
+        Normalize,
+        move_to_device,
+        pin,
+        resolve_device,
+    )
     from fastloader.folder import ImageFolder
     from fastloader.foreign import HDF5FileDataset, LMDBFileDataset
     from fastloader.formats import PackError, read_metadata
@@ -81,7 +87,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from fastloader.loader import DataLoader
     from fastloader.pack import PackSummary, pack
     from fastloader.stats import EpochStats, LoaderStats, timed_iter
-    from fastloader.transforms import Normalize
 
 
 # Public submodules, reachable as attributes after `import fastloader` (imported on first use).

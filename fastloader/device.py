@@ -2,8 +2,9 @@
 
 Everything here runs in the main (training) process. ``DevicePrefetcher`` wraps any iterable of
 host batches and yields them already on the device, copied ``depth`` batches ahead on a side
-stream so that the copies overlap the training step. See NOTE [ Side-stream copy and
-record_stream ] for how the two streams are kept in order.
+stream so that the copies overlap the training step (see NOTE [ Side-stream copies ] for how
+the two streams are kept in order), and ``Normalize``, the device transform that turns uint8
+batches into normalized floats there.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["DevicePrefetcher", "move_to_device", "pin", "resolve_device"]
+__all__ = ["DevicePrefetcher", "Normalize", "move_to_device", "pin", "resolve_device"]
 
 _SUPPORTED_TYPES = ("cpu", "cuda")
 
@@ -172,7 +173,7 @@ def _tensor_leaves(batch: Any) -> list[torch.Tensor]:
     return leaves
 
 
-# NOTE [ Side-stream copy and record_stream ]
+# NOTE [ Side-stream copies ]
 #
 # The training step runs on the consumer's current stream (usually the default stream). If the
 # host-to-device copy ran there too, each step would wait for its own input copy. So the
@@ -200,7 +201,7 @@ def _tensor_leaves(batch: Any) -> list[torch.Tensor]:
 # allocator also records the copy, but only for memory it allocated itself.)
 #
 # Device constants a transform creates (for example Normalize's mean and std) must be ready
-# before the side stream reads them; see Normalize._constants in fastloader/transforms.py.
+# before the side stream reads them; see Normalize._constants below.
 #
 # Batches whose tensors are already on the CUDA device pass through the copy unchanged and are
 # then read by the transform on the side stream; the producer of such tensors must have
@@ -212,8 +213,8 @@ class DevicePrefetcher:
 
     On CUDA, host batches are pinned (when not already), copied with ``non_blocking=True`` on
     a side stream ``depth`` batches ahead, and ``transform`` runs on that stream too; each
-    batch is ready for the consumer's current stream when it is handed out. See NOTE
-    [ Side-stream copy and record_stream ]. On the CPU, batches are only passed through
+    batch is ready for the consumer's current stream when it is handed out. See
+    NOTE [ Side-stream copies ]. On the CPU, batches are only passed through
     ``transform``, with the same ordering.
 
     When batch ``k`` is handed out, batches up to ``k + depth`` have been pulled from the
@@ -227,7 +228,7 @@ class DevicePrefetcher:
         device: the target device (see ``resolve_device``).
         depth: how many batches are copied ahead; at least 1.
         transform: a callable applied to each batch on the device (on the side stream for
-            CUDA), for example ``fastloader.transforms.Normalize``.
+            CUDA), for example ``fastloader.device.Normalize``.
 
     Raises:
         TypeError: if ``depth`` is not an int or ``device`` has a wrong type.
@@ -377,3 +378,123 @@ class _PrefetchIterator:
             ready = torch.cuda.Event()
             ready.record(self._stream)
         return batch, ready, host
+
+
+class Normalize:
+    """Convert uint8 images to float and normalize them per channel.
+
+    ``out = (image / 255 - mean) / std``, with ``mean`` and ``std`` on the 0-1 scale as in
+    torchvision (for ImageNet: ``mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225)``).
+
+    What it applies to:
+        - a tensor of shape ``(N, C, H, W)`` or ``(C, H, W)``: that tensor;
+        - a tuple or list (including a namedtuple), such as ``(images, labels)``: its first
+          element, which must be such a tensor; the other elements are passed through unchanged
+          and the container type is kept.
+
+    Args:
+        mean: per-channel means, one per channel (or a single value for all channels).
+        std: per-channel standard deviations, same length as ``mean``, none of them zero.
+        dtype: the floating dtype of the output (``torch.float32``, ``float16``, ``bfloat16``).
+        channels_last: return 4-D batches in ``torch.channels_last`` memory format (the
+            conversion is fused with the dtype cast). 3-D images are left contiguous.
+
+    Raises:
+        ValueError: if ``mean``/``std`` are empty, of different lengths, or ``std`` has a zero.
+        TypeError: if ``dtype`` is not a floating dtype.
+    """
+
+    def __init__(
+        self,
+        mean: Sequence[float],
+        std: Sequence[float],
+        dtype: torch.dtype = torch.float32,
+        channels_last: bool = False,
+    ) -> None:
+        mean = tuple(float(m) for m in mean)
+        std = tuple(float(s) for s in std)
+        if not mean or not std:
+            raise ValueError("mean and std must each have at least one value")
+        if len(mean) != len(std):
+            raise ValueError(
+                f"mean and std must have the same length, got {len(mean)} and {len(std)}"
+            )
+        if any(s == 0.0 for s in std):
+            raise ValueError(f"std must not contain zeros, got {std}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        self.mean = mean
+        self.std = std
+        self.dtype = dtype
+        self.channels_last = bool(channels_last)
+        self._cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, batch: Any) -> Any:
+        """Normalize ``batch`` (a tensor, or the first element of a tuple/list).
+
+        Raises:
+            TypeError: if the images are not a uint8 tensor, or ``batch`` is another type.
+            ValueError: if the images are not 3-D/4-D or their channel count does not match.
+        """
+        if isinstance(batch, torch.Tensor):
+            return self._normalize(batch)
+        if isinstance(batch, (tuple, list)) and batch:
+            items = [self._normalize(batch[0]), *batch[1:]]
+            if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+                return type(batch)(*items)
+            try:
+                return type(batch)(items)
+            except TypeError:
+                return tuple(items) if isinstance(batch, tuple) else items
+        raise TypeError(
+            "Normalize applies to an image tensor or to the first element of a tuple/list "
+            f"batch, got {type(batch).__name__}"
+        )
+
+    def _normalize(self, images: Any) -> torch.Tensor:
+        if not isinstance(images, torch.Tensor) or images.dtype != torch.uint8:
+            kind = images.dtype if isinstance(images, torch.Tensor) else type(images).__name__
+            raise TypeError(f"Normalize expects uint8 images (0-255), got {kind}")
+        if images.dim() not in (3, 4):
+            raise ValueError(
+                "Normalize expects images of shape (N, C, H, W) or (C, H, W), "
+                f"got shape {tuple(images.shape)}"
+            )
+        channels = images.shape[-3]
+        if len(self.mean) not in (1, channels):
+            raise ValueError(
+                f"Normalize has {len(self.mean)} mean/std values but the images have "
+                f"{channels} channels (shape {tuple(images.shape)})"
+            )
+        scale, shift = self._constants(images.device)
+        if self.channels_last and images.dim() == 4:
+            out = images.to(self.dtype, memory_format=torch.channels_last)
+        else:
+            out = images.to(self.dtype)
+        # (x / 255 - mean) / std  ==  x * (1 / (255 * std)) + (-mean / std)
+        return out.mul_(scale).add_(shift)
+
+    def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        constants = self._cache.get(device)
+        if constants is None:
+            mean = torch.tensor(self.mean, dtype=torch.float64)
+            std = torch.tensor(self.std, dtype=torch.float64)
+            scale = (1.0 / (255.0 * std)).to(self.dtype).view(-1, 1, 1)
+            shift = (-mean / std).to(self.dtype).view(-1, 1, 1)
+            scale, shift = scale.to(device), shift.to(device)
+            if device.type == "cuda":
+                # Created once; make sure the copies have landed before any stream (the
+                # prefetcher's side stream included) reads them. See
+                # NOTE [ Side-stream copies ].
+                torch.cuda.current_stream(device).synchronize()
+            constants = self._cache[device] = (scale, shift)
+        return constants
+
+    def __repr__(self) -> str:
+        return (
+            f"Normalize(mean={self.mean}, std={self.std}, dtype={self.dtype}, "
+            f"channels_last={self.channels_last})"
+        )
+
+
+# --- torchvision-named image transforms ---------------------------------------------------------

@@ -87,7 +87,7 @@ class DataLoader(TorchDataLoader[T_co]):
             device, copied from pinned memory on a side stream ahead of use.
         device_prefetch: how many batches are copied to the device ahead (default 2).
         device_transform: a callable applied to each batch on the device (for example
-            ``fastloader.transforms.Normalize``).
+            ``fastloader.Normalize``).
 
     Raises:
         ValueError, TypeError: for invalid argument values, naming the argument.

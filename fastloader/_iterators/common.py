@@ -22,6 +22,7 @@ from torch.utils.data.dataloader import (
 )
 
 from fastloader._schedule import EpochSchedule
+from fastloader._warnings import warn_if_empty_epoch
 from fastloader.samplers import (
     EpochShuffleSampler,
     samplers_with_set_epoch,
@@ -131,6 +132,9 @@ class LoaderIterMixin:
                 batch = next(self._device_batches)
         except StopIteration:
             self._cursor.finished()
+            cursor, loader = self._cursor, self._loader_ref()
+            if loader is not None and not cursor.consumed:  # NOTE [ Empty epochs ]
+                warn_if_empty_epoch(loader, 0, resumed_at_end=cursor.start > 0)
             self._stats.end_epoch(time.perf_counter() - started)
             raise
         except KeyboardInterrupt:
