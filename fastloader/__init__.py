@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 # NOTE [ Lazy public API ]
 # The names below are imported from their modules on first use (PEP 562), so that importing a
 # submodule that needs no torch (fastloader.cli for `--help`, a usage error) does not pay for
 # importing torch (seconds on a loaded machine). `from fastloader import DataLoader` works as
-# before; so do `fastloader.DataLoader` and `dir(fastloader)`. One name is also a submodule:
-# `fastloader.pack` is the function, as it was with eager imports, even after the submodule
-# fastloader/pack.py is imported (the import system then sets the attribute to the module;
-# _Package puts the function back).
+# before; so do `fastloader.DataLoader` and `dir(fastloader)`. Public submodules are reachable
+# the same way (`fastloader.transforms.RandomResizedCrop` after `import fastloader`). No name
+# is both: `fastloader.pack` is the function, its module is fastloader.packing.
 _EXPORTS = {
     "PoisonSampleError": "fastloader._supervision",
     "WorkersLostError": "fastloader._supervision",
@@ -28,11 +25,11 @@ _EXPORTS = {
     "LMDBDataset": "fastloader.datasets",
     "LoaderStats": "fastloader.stats",
     "Normalize": "fastloader.device",
-    "PackSummary": "fastloader.pack",
+    "PackSummary": "fastloader.packing",
     "PackError": "fastloader.formats",
     "move_to_device": "fastloader.device",
     "open_pack": "fastloader.datasets",
-    "pack": "fastloader.pack",
+    "pack": "fastloader.packing",
     "pin": "fastloader.device",
     "read_metadata": "fastloader.formats",
     "resolve_device": "fastloader.device",
@@ -85,7 +82,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from fastloader.formats import PackError, read_metadata
     from fastloader.formats.verify import VerifyReport, verify
     from fastloader.loader import DataLoader
-    from fastloader.pack import PackSummary, pack
+    from fastloader.packing import PackSummary, pack
     from fastloader.stats import EpochStats, LoaderStats, timed_iter
 
 
@@ -102,6 +99,7 @@ _SUBMODULES = frozenset(
         "images",
         "lightning",
         "loader",
+        "packing",
         "samplers",
         "seeding",
         "stats",
@@ -125,13 +123,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS) | _SUBMODULES)
-
-
-class _Package(types.ModuleType):
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "pack" and isinstance(value, types.ModuleType):
-            value = value.pack  # see NOTE [ Lazy public API ]
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

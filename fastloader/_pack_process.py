@@ -2,7 +2,7 @@
 not copy the parent's heap, and the removal of partial files left by killed runs.
 
 The pool initializer runs in the worker processes; everything else in the main process
-(NOTE [ Packer processes ] below; NOTE [ Atomic packing ] in pack.py).
+(NOTE [ Packer processes ] below; NOTE [ Atomic packing ] in packing.py).
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def remove_stale_partials(target: Path) -> list[tuple[Path, int]]:
 
 # NOTE [ Publishing the pack ]
 # The pack is written to a partial file and renamed to DST at the end (NOTE [ Atomic packing ]
-# in pack.py). DST is checked at the start, but a run takes minutes: another packer (or
+# in packing.py). DST is checked at the start, but a run takes minutes: another packer (or
 # anything) may create DST meanwhile, and a plain rename would silently replace it, both runs
 # reporting success. So the final step depends on --overwrite:
 # * without it, the rename must fail if DST exists, atomically (a check then a rename races):

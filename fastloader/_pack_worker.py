@@ -1,6 +1,6 @@
 """The encode stage of packing: one sample in, the bytes of one record (or why not) out.
 
-Runs in the packing worker processes (see NOTE [ Packing workers ]); pack.py scans and writes.
+Runs in the packing worker processes (see NOTE [ Packing workers ]); packing.py scans and writes.
 """
 
 from __future__ import annotations

@@ -258,7 +258,7 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
 
 def _run_pack(args: argparse.Namespace, prog: str) -> int:
     from fastloader._pack_process import Terminated, signals_as_interrupts
-    from fastloader.pack import pack
+    from fastloader.packing import pack
 
     with signals_as_interrupts():  # see NOTE [ Signals while packing ]
         try:

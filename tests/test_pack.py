@@ -29,7 +29,7 @@ from fastloader._pack_worker import Options, encode_file, fit_within
 from fastloader.formats import HDF5Writer, LMDBWriter, RecordKind
 from fastloader.images import to_rgb
 
-pack_module = importlib.import_module("fastloader.pack")  # `fastloader.pack` is the function
+pack_module = importlib.import_module("fastloader.packing")
 SUFFIX = {"lmdb": ".lmdb", "hdf5": ".h5"}
 
 

@@ -16,9 +16,9 @@ from PIL import Image
 
 from fastloader import _pack_process, open_pack
 from fastloader.cli import main
-from fastloader.pack import pack
+from fastloader.packing import pack
 
-pack_module = importlib.import_module("fastloader.pack")  # `fastloader.pack` is the function
+pack_module = importlib.import_module("fastloader.packing")
 
 
 def _folder(root: Path, count: int, size: int = 16, noise: bool = False) -> Path:
@@ -52,7 +52,7 @@ _RACER = textwrap.dedent(
     import importlib, os, sys, time
     from fastloader.cli import main
 
-    pack_module = importlib.import_module("fastloader.pack")  # fastloader.pack is the function
+    pack_module = importlib.import_module("fastloader.packing")
 
     target = sys.argv[2]
     folder, name = os.path.dirname(target), os.path.basename(target)
