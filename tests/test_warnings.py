@@ -54,3 +54,12 @@ def test_epochs_with_batches_and_resumes_at_the_end_are_not_warned() -> None:
         warnings.simplefilter("error")
         assert not warn_if_empty_epoch(loader, 3)
         assert not warn_if_empty_epoch(loader, 0, resumed_at_end=True)
+
+
+def test_an_empty_epoch_of_a_worker_pool_is_named_too() -> None:
+    loader = DataLoader(_data(10), batch_size=16, drop_last=True, num_workers=2)
+    try:
+        with pytest.warns(EmptyEpochWarning, match="drop_last=True"):
+            assert list(loader) == []
+    finally:
+        loader.close()
