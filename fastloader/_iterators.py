@@ -98,7 +98,13 @@ from fastloader.samplers import (
     samplers_with_set_epoch,
     set_epoch_unrecorded,
 )
-from fastloader.seeding import RNGStateSwap, SeededDataset, SeededIterableDataset, Task
+from fastloader.seeding import (
+    RNGStateSwap,
+    SeededDataset,
+    SeededIterableDataset,
+    Task,
+    seeding_options,
+)
 
 _END = object()
 
@@ -221,7 +227,7 @@ class _SeededDatasetMixin:
     """Swaps in the seeded dataset wrapper where torch's iterator stores the dataset."""
 
     _seed: int
-    _seed_rngs = "auto"  # the loader's seed_rngs (NOTE [ Lazy seeding ] in seeding.py)
+    _seeding: dict = {}  # seeding_options(loader) (NOTE [ Lazy seeding ] in seeding.py)
     busy_seconds: Any = None  # per worker, seconds loading (NOTE [ The diagnosis ], stats.py)
     _shared_epoch: Any
     _progress: Any = None
@@ -235,12 +241,11 @@ class _SeededDatasetMixin:
         if isinstance(dataset, (SeededDataset, SeededIterableDataset)):
             wrapped = dataset
         elif self._schedule is None:
-            wrapped = SeededIterableDataset(
-                dataset, self._seed, self._shared_epoch, self._seed_rngs
-            )
+            seed_rngs = self._seeding.get("seed_rngs", "auto")
+            wrapped = SeededIterableDataset(dataset, self._seed, self._shared_epoch, seed_rngs)
         else:
             wrapped = SeededDataset(
-                dataset, self._seed, self._progress, self._seed_rngs, self.busy_seconds
+                dataset, self._seed, self._progress, busy=self.busy_seconds, **self._seeding
             )
         self.__dict__["_seeded_dataset"] = wrapped
 
@@ -355,7 +360,7 @@ class SingleProcessIter(_SeededDatasetMixin, _LoaderIterMixin, _SingleProcessDat
 
     def __init__(self, loader: Any, epoch: int, skip: int = 0) -> None:
         self._seed = loader.seed
-        self._seed_rngs = loader.seed_rngs
+        self._seeding = seeding_options(loader)
         self._shared_epoch = multiprocessing.RawValue("q", epoch)
         self._schedule = None
         if loader._dataset_kind == _DatasetKind.Map:
@@ -386,7 +391,7 @@ class WorkerPoolIter(_SeededDatasetMixin, _LoaderIterMixin, _MultiProcessingData
 
     def __init__(self, loader: Any, epoch: int, skip: int = 0) -> None:
         self._seed = loader.seed
-        self._seed_rngs = loader.seed_rngs
+        self._seeding = seeding_options(loader)
         context = loader.multiprocessing_context or multiprocessing.get_context()
         self._shared_epoch = context.RawValue("q", epoch)
         self._schedule = None
