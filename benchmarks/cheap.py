@@ -38,7 +38,7 @@ SIZES = {
     #        rounds, index samples, cifar samples, token windows, noop batches
     "tiny": (2, 2048, 512, 64, 200),
     "quick": (5, 65_536, 8192, 1024, 2000),
-    "full": (11, 131_072, 16_384, 2048, 5000),
+    "full": (11, 131_072, 16_384, 2048, 2000),
 }
 WINDOW = 2048
 WORKER_COUNTS = (0, 2)

@@ -43,7 +43,8 @@ dataset has been seen drawing from it in this process:
   time a dataset draws from an RNG it had not drawn from in that process). If no fingerprint
   moved, no sample drew from a lazy RNG, so each sample is what it would have been had every
   RNG been seeded before it: the batch is the contract's, bit for bit. The lazy RNGs are then
-  seeded from the last sample's seed, so ``collate_fn`` sees the states eager seeding leaves.
+  seeded from the last sample's seed, so ``collate_fn`` sees the states eager seeding leaves
+  (skipped for torch's ``default_collate``, which draws nothing).
 - In the first batch of a process the fingerprints are also checked after the first sample, so
   a dataset that draws in every sample is found before anything is loaded twice.
 
@@ -80,7 +81,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from fastloader._rngs import DIRECT_SEEDERS, FINGERPRINTS, SEEDERS, StateKeeper, StateReads
 from fastloader._rngs import seed_numpy as _seed_numpy
@@ -172,6 +173,15 @@ def batch_seeds(seed: int, epoch: int, indices: Any) -> list[int]:
 SEED_RNGS_MODES = ("auto", "always", "never")
 
 
+def seeding_options(loader: Any) -> dict[str, Any]:
+    """What a loader's ``SeededDataset`` needs to know beyond its seed (for the iterators)."""
+    return {
+        "seed_rngs": loader.seed_rngs,
+        # torch's default collate_fn draws nothing: no need to seed for it (NOTE [ Lazy seeding ])
+        "collate_may_draw": loader.collate_fn is not default_collate,
+    }
+
+
 def resolve_seed_rngs(value: Any) -> str:
     """The seeding mode for ``DataLoader(seed_rngs=value)``: "auto", "always" or "never".
 
@@ -246,6 +256,7 @@ class SeededDataset:
         progress: Any = None,
         seed_rngs: str = "auto",
         busy: Any = None,
+        collate_may_draw: bool = True,
     ) -> None:
         self.dataset = dataset
         self.seed = seed
@@ -254,6 +265,7 @@ class SeededDataset:
         self.busy = busy
         self.slot = 0  # set in each worker by _WorkerInit
         self.seed_rngs = resolve_seed_rngs(seed_rngs)
+        self.collate_may_draw = collate_may_draw
         # Per RNG (SEEDERS order): seeded before every sample once seen drawing in this process.
         self.eager = [self.seed_rngs == "always"] * len(SEEDERS)
         self._probed = False  # whether a batch has been loaded lazily in this process
@@ -391,7 +403,7 @@ class SeededDataset:
         reads.__exit__()
         if self._drew(lazy, before, reads.read):
             return samples[:1] + self._load_each(rest, epoch)
-        if rest:  # what collate_fn sees, as if each RNG had been seeded before each sample
+        if rest and self.collate_may_draw:  # what collate_fn sees under "always"
             last_seed = self._sample_seed(epoch, indices[-1])
             for rng in lazy:
                 SEEDERS[rng](last_seed)

@@ -44,11 +44,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from typing import Any
 
-import numpy as np
 import torch
+
+from fastloader._batch_size import batch_size
 
 __all__ = [
     "BUSY_WORKERS",
@@ -514,52 +515,3 @@ def _timed(iterator: Iterator[Any], stats: LoaderStats) -> Iterator[Any]:
         now = clock()
         record(now - started, batch, now)
         yield batch
-
-
-def batch_size(batch: Any) -> int:
-    """The number of samples in ``batch``: its first tensor's (or array's) length, else its
-    first list's.
-
-    A 0-d tensor, or a batch with neither tensors nor lists, counts as one sample.
-    """
-    # Fast path for the common (images, labels) batch: this runs on every batch.
-    first = batch[0] if type(batch) in (tuple, list) and batch else batch
-    if isinstance(first, torch.Tensor):
-        shape = first.shape
-        return shape[0] if shape else 1
-    size = _first_tensor_len(batch)
-    if size is None:
-        size = _first_list_len(batch)
-    return 1 if size is None else size
-
-
-def _first_tensor_len(batch: Any) -> int | None:
-    if isinstance(batch, (torch.Tensor, np.ndarray)):
-        return batch.shape[0] if batch.ndim else 1
-    if isinstance(batch, (tuple, list)):
-        for item in batch:
-            size = _first_tensor_len(item)
-            if size is not None:
-                return size
-    elif isinstance(batch, Mapping):
-        for item in batch.values():
-            size = _first_tensor_len(item)
-            if size is not None:
-                return size
-    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        for field in dataclasses.fields(batch):
-            size = _first_tensor_len(getattr(batch, field.name))
-            if size is not None:
-                return size
-    return None
-
-
-def _first_list_len(batch: Any) -> int | None:
-    if isinstance(batch, (tuple, list)) and batch:
-        first = batch[0]
-        if isinstance(first, (tuple, list, Mapping)):
-            return _first_list_len(first)
-        return len(batch)
-    if isinstance(batch, Mapping) and batch:
-        return _first_list_len(next(iter(batch.values())))
-    return None

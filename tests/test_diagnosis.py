@@ -160,6 +160,25 @@ def test_device_copy_time_is_told_apart_from_loading():
     assert epoch.worker_wait_s + epoch.device_wait_s <= epoch.wait_s + 1e-9
 
 
+@pytest.mark.cuda
+def test_cuda_copy_time_is_told_apart_from_loading():
+    # large float batches: the copy to the GPU takes measurable time of each wait
+    class Big(SleepsPerSample):
+        def __getitem__(self, i):
+            return torch.full((256, 1024), float(i))
+
+    loader = DataLoader(Big(64, 0.0), batch_size=16, num_workers=2, device="cuda")
+    with loader:
+        for _ in range(2):
+            batches = [batch.sum().item() for batch in loader]
+    assert len(batches) == 4
+    epoch = loader.stats.last
+    assert epoch.complete and 0.0 <= epoch.device_wait_s <= epoch.wait_s
+    assert epoch.start_wait_s + epoch.worker_wait_s + epoch.device_wait_s == pytest.approx(
+        epoch.input_wait_s, abs=1e-6
+    )
+
+
 lightning = pytest.importorskip("lightning.pytorch")
 
 

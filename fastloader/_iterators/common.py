@@ -28,7 +28,7 @@ from fastloader.samplers import (
     samplers_with_set_epoch,
     set_epoch_unrecorded,
 )
-from fastloader.seeding import RNGStateSwap, SeededDataset, SeededIterableDataset
+from fastloader.seeding import RNGStateSwap, SeededDataset, SeededIterableDataset, seeding_options
 
 
 def order_is_predictable(loader: Any) -> bool:
@@ -59,7 +59,7 @@ class SeededDatasetMixin:
     """Swaps in the seeded dataset wrapper where torch's iterator stores the dataset."""
 
     _seed: int  # the loader's seed when this iterator (and its workers) started
-    _seed_rngs = "auto"  # the loader's seed_rngs (NOTE [ Lazy seeding ] in seeding.py)
+    _seeding: dict = {}  # seeding_options(loader) (NOTE [ Lazy seeding ] in seeding.py)
     busy_seconds: Any = None  # per worker, seconds loading (NOTE [ The diagnosis ], stats.py)
     _cursor: Any  # the loader's EpochCursor (NOTE [ The epoch cursor ] in _cursor.py)
     _shared_epoch: Any
@@ -74,12 +74,11 @@ class SeededDatasetMixin:
         if isinstance(dataset, (SeededDataset, SeededIterableDataset)):
             wrapped = dataset
         elif self._schedule is None:
-            wrapped = SeededIterableDataset(
-                dataset, self._seed, self._shared_epoch, self._seed_rngs
-            )
+            seed_rngs = self._seeding.get("seed_rngs", "auto")
+            wrapped = SeededIterableDataset(dataset, self._seed, self._shared_epoch, seed_rngs)
         else:
             wrapped = SeededDataset(
-                dataset, self._seed, self._progress, self._seed_rngs, self.busy_seconds
+                dataset, self._seed, self._progress, busy=self.busy_seconds, **self._seeding
             )
         self.__dict__["_seeded_dataset"] = wrapped
 
@@ -192,7 +191,7 @@ class SingleProcessIter(SeededDatasetMixin, LoaderIterMixin, _SingleProcessDataL
 
     def __init__(self, loader: Any, epoch: int, skip: int = 0) -> None:
         self._seed = loader.seed
-        self._seed_rngs = loader.seed_rngs
+        self._seeding = seeding_options(loader)
         self._cursor = loader._cursor
         self._shared_epoch = multiprocessing.RawValue("q", epoch)
         self._schedule = None

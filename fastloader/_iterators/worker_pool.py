@@ -48,7 +48,7 @@ from fastloader._supervision import (
     warn_reseeded,
 )
 from fastloader._worker_guard import WorkerInit
-from fastloader.seeding import Task
+from fastloader.seeding import Task, seeding_options
 
 
 class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLoaderIter):
@@ -61,7 +61,7 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
 
     def __init__(self, loader: Any, epoch: int, skip: int = 0) -> None:
         self._seed = loader.seed
-        self._seed_rngs = loader.seed_rngs
+        self._seeding = seeding_options(loader)
         self._cursor = loader._cursor
         context = loader.multiprocessing_context or multiprocessing.get_context()
         self._shared_epoch = context.RawValue("q", epoch)
