@@ -70,6 +70,7 @@ def test_fields_as_a_tuple_in_the_order_given(pose):
 )
 def test_loader_workers_read_every_field_equal_to_h5py(pose, workers, method):
     dataset = HDF5Dataset(pose, fields=list(ALL))
+    dataset[0]  # the parent opens the file first: workers must not use its handle
     context = multiprocessing.get_context(method) if method else None
     loader = DataLoader(
         dataset,
@@ -156,6 +157,14 @@ def test_storage_in_other_files_is_refused_unless_allowed(tmp_path):
         assert [allowed[i]["x"] for i in range(8)] == list(range(8)), name
 
 
+def test_rows_larger_than_the_file_could_hold_are_refused(tmp_path):
+    path = tmp_path / "huge.h5"
+    with h5py.File(path, "w") as file:  # chunked, never written: a tiny file declaring 8 TB rows
+        file.create_dataset("x", (4, 1 << 40), "<f8", chunks=(1, 1 << 16))
+    with pytest.raises(PackError, match="'x' declares rows of 8796093022208 bytes"):
+        HDF5Dataset(path)
+
+
 def test_a_truncated_file_is_a_clear_error(pose):
     data = pose.read_bytes()
     pose.write_bytes(data[: len(data) * 2 // 3])
@@ -231,3 +240,10 @@ def test_fixed_length_strings_are_mapped_and_read_as_str(tmp_path):
     dataset = HDF5Dataset(path)
     assert dataset.fields[0].offset is not None
     assert [dataset[index]["name"] for index in range(6)] == [f"n{i}" for i in range(6)]
+
+
+def test_a_truncated_lmdb_environment_is_a_clear_error(env_dir):
+    data = env_dir / "data.mdb"
+    data.write_bytes(data.read_bytes()[:5000])
+    with pytest.raises(PackError, match="truncated or damaged LMDB file"):
+        LMDBDataset(env_dir)
