@@ -126,6 +126,11 @@ class PackedDataset(PackFile, Dataset):
             label = self.target_transform(label)
         return image, label
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = PackFile.__getstate__(self)
+        state.pop("_fields_reader", None)  # planned again where it is read (closures inside)
+        return state
+
     def apply_transforms(self, sample: tuple[Any, int]) -> tuple[Any, Any]:
         """Apply ``transform`` and ``target_transform`` to a decoded ``(image, label)``."""
         image, label = sample

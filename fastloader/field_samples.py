@@ -51,44 +51,65 @@ def check_fields_options(dataset: Any) -> str | None:
 
 def load_fields(dataset: Any, position: int, buffer: Any) -> Any:
     """Decode and transform record ``position`` of a pack of fields, checksum verified."""
-    from fastloader.datasets import decode_image  # datasets.py imports this module
+    reader = dataset.__dict__.get("_fields_reader")
+    if reader is None or reader.key != (dataset.transform, dataset.decode):
+        reader = dataset._fields_reader = _FieldsReader(dataset)  # not pickled: see datasets.py
+    return reader.load(position, buffer)
 
-    where = f"{dataset.path} record {position}"
-    mode = dataset.decode
-    target = dataset._image_field
-    fused = fuse(dataset.transform) if target is not None and mode != "bytes" else None
 
-    def image(stored: int, shape: Any, data: memoryview, name: str) -> Any:
-        kind = RecordKind.RAW if stored == IMAGE_RAW else RecordKind.ENCODED
-        record = Record(0, kind, shape, data)
-        if name != target or fused is None:
-            return decode_image(record, mode, f"{where} field {name!r}")
-        if kind is RecordKind.RAW:
-            return fused.apply_raw(np.frombuffer(data, dtype=np.uint8).reshape(shape), mode)
-        plain = lambda: decode_image(record, mode, f"{where} field {name!r}")  # noqa: E731
-        return fused.apply_encoded(data, plain, mode)
+class _FieldsReader:
+    """What reading a pack of fields needs, planned once per dataset (and transform)."""
 
-    decoder = dataset.__dict__.get("_fields_decoder")
-    if decoder is None:
-        decoder = dataset._fields_decoder = FieldsDecoder(dataset.schema)
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+        self.key = (dataset.transform, dataset.decode)
+        self.mode = dataset.decode
+        self.target = dataset._image_field
+        use_fused = self.target is not None and self.mode != "bytes"
+        self.fused = fuse(dataset.transform) if use_fused else None
+        self.decoder = FieldsDecoder(dataset.schema)
 
-    def decode(record: Record) -> Any:
-        if record.kind is not RecordKind.FIELDS:
-            raise PackError(f"{where}: an image record in a pack of fields (corrupt pack)")
-        return decoder.decode(record.payload, where, image)
+    def load(self, position: int, buffer: Any) -> Any:
+        dataset = self.dataset
+        where = f"{dataset.path} record {position}"
 
-    sample = dataset._checked(position, buffer, decode)
-    if dataset.transform is not None and fused is None:
-        if target is None:
-            sample = dataset.transform(sample)
-        elif isinstance(sample, dict):
-            sample[target] = dataset.transform(sample[target])
-        else:
-            at = _index_of(dataset.schema, target)
-            sample = _replaced(sample, at, dataset.transform(sample[at]))
-    if dataset.sample_transform is not None:
-        sample = dataset.sample_transform(sample)
-    return sample
+        def decode(record: Record) -> Any:
+            if record.kind is not RecordKind.FIELDS:
+                raise PackError(f"{where}: an image record in a pack of fields (corrupt pack)")
+            return self.decoder.decode(record.payload, where, self.image)
+
+        sample = dataset._checked(position, buffer, decode)
+        transform, target = dataset.transform, self.target
+        if transform is not None and self.fused is None:
+            if target is None:
+                sample = transform(sample)
+            elif isinstance(sample, dict):
+                sample[target] = transform(sample[target])
+            else:
+                at = _index_of(dataset.schema, target)
+                sample = _replaced(sample, at, transform(sample[at]))
+        if dataset.sample_transform is not None:
+            sample = dataset.sample_transform(sample)
+        return sample
+
+    def image(self, stored: int, shape: Any, data: memoryview, name: str) -> Any:
+        """An image field's value, as the dataset's ``decode`` mode (and fused transform) say."""
+        from fastloader.datasets import decode_image  # datasets.py imports this module
+
+        fused = self.fused if name == self.target else None
+        if stored == IMAGE_RAW:
+            if fused is not None:
+                return fused.apply_raw(np.frombuffer(data, np.uint8).reshape(shape), self.mode)
+            if self.mode == "numpy":
+                return np.frombuffer(data, np.uint8).reshape(shape).copy()
+        record = Record(
+            0, RecordKind.RAW if stored == IMAGE_RAW else RecordKind.ENCODED, shape, data
+        )
+        where = f"{self.dataset.path} field {name!r}"
+        if fused is None:
+            return decode_image(record, self.mode, where)
+        plain = lambda: decode_image(record, self.mode, where)  # noqa: E731
+        return fused.apply_encoded(data, plain, self.mode)
 
 
 def _index_of(schema: dict, name: str) -> int:

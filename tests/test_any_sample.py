@@ -301,3 +301,13 @@ def test_without_image_fields_a_pose_file_packs_as_arrays(pose, tmp_path):
     assert kinds == {"image": "array", "part": "array", "S": "array", "imagename": "str"}
     want = h5py_rows(pose, POSE_FIELDS)
     assert_same_sample(HDF5Dataset(target)[7], want[7])
+
+
+def test_a_pack_of_fields_read_in_the_parent_still_pickles(tmp_path):
+    import pickle
+
+    pack(Detection(3), tmp_path / "d.lmdb", store="raw", workers=0)
+    dataset = LMDBDataset(tmp_path / "d.lmdb", decode="numpy")
+    dataset[0]  # plans the reading (closures): spawn workers must still get the dataset
+    copy = pickle.loads(pickle.dumps(dataset))
+    _assert_detection_equal(copy[2], Detection(3)[2])
