@@ -220,6 +220,7 @@ class LMDBDataset(LMDBPack, PackedDataset):
         if cls is LMDBDataset and path is not None and _foreign(path, "lmdb"):
             from fastloader.foreign import LMDBFileDataset
 
+            _check_foreign_arguments(path, args, kwargs)
             return LMDBFileDataset(path, *args, **kwargs)
         return super().__new__(cls)
 
@@ -251,6 +252,7 @@ class HDF5Dataset(HDF5Pack, PackedDataset):
         if cls is HDF5Dataset and path is not None and _foreign(path, "hdf5"):
             from fastloader.foreign import HDF5FileDataset
 
+            _check_foreign_arguments(path, args, kwargs)
             return HDF5FileDataset(path, *args, **kwargs)
         return super().__new__(cls)
 
@@ -263,6 +265,23 @@ class HDF5Dataset(HDF5Pack, PackedDataset):
 # skips __init__, since the object is not an HDF5Dataset. A damaged, truncated or interrupted
 # pack still goes to the pack reader, which says what is wrong with it. Subclasses and
 # unpickling (which calls __new__ without a path) always get the pack dataset.
+
+
+_PACK_ONLY = ("decode", "target_transform", "verify_checksums", "sample_transform")
+
+
+def _check_foreign_arguments(path: Any, args: tuple, kwargs: dict) -> None:
+    """A user's own file takes the foreign dataset's arguments: say so for a pack's."""
+    given = [
+        name
+        for name in _PACK_ONLY
+        if name in kwargs and not (name == "decode" and callable(kwargs[name]))  # LMDB's own
+    ]
+    if given:
+        raise TypeError(
+            f"{path}: not a fastloader pack but a user's own file, read in place: "
+            f"{given[0]}= applies to packs (see docs/any-sample.md)"
+        )
 
 
 def _foreign(path: Any, backend: str) -> bool:

@@ -247,3 +247,27 @@ def test_a_truncated_lmdb_environment_is_a_clear_error(env_dir):
     data.write_bytes(data.read_bytes()[:5000])
     with pytest.raises(PackError, match="truncated or damaged LMDB file"):
         LMDBDataset(env_dir)
+
+
+def test_random_transforms_are_seeded_per_sample_for_any_worker_count(pose):
+    def jitter(sample):
+        return {"part": sample["part"] + np.random.rand(), "name": sample["imagename"]}
+
+    dataset = HDF5Dataset(pose, transform=jitter)
+    seen = []
+    for workers in (0, 2):
+        loader = DataLoader(dataset, batch_size=4, num_workers=workers, shuffle=True, seed=5)
+        seen.append(
+            {
+                name: part
+                for batch in loader
+                for name, part in zip(batch["name"], batch["part"], strict=True)
+            }
+        )
+    assert seen[0].keys() == seen[1].keys() and len(seen[0]) == POSE_COUNT
+    assert all(torch.equal(seen[0][name], seen[1][name]) for name in seen[0])
+
+
+def test_pack_arguments_on_a_users_file_say_what_it_is(pose):
+    with pytest.raises(TypeError, match="not a fastloader pack but a user's own file.*decode="):
+        HDF5Dataset(pose, decode="numpy")
