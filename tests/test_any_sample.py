@@ -296,7 +296,7 @@ def test_damaged_field_tables_are_pack_errors_not_crashes():
 
 def test_without_image_fields_a_pose_file_packs_as_arrays(pose, tmp_path):
     target = tmp_path / "pose.h5pack.h5"
-    pack(HDF5File(pose), target, workers=0)
+    pack(str(pose), target, workers=0)  # the path of an HDF5 file: its rows are the samples
     kinds = {field["name"]: field["kind"] for field in read_metadata(target)["schema"]["fields"]}
     assert kinds == {"image": "array", "part": "array", "S": "array", "imagename": "str"}
     want = h5py_rows(pose, POSE_FIELDS)
