@@ -61,6 +61,7 @@ class PackedDataset(PackFile, Dataset):
         *,
         verify_checksums: bool = True,
         sample_transform: Callable | None = None,
+        with_geometry: bool = False,
     ) -> None:
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
@@ -68,6 +69,7 @@ class PackedDataset(PackFile, Dataset):
         self.target_transform = target_transform
         self.decode = decode
         self.sample_transform = sample_transform
+        self.with_geometry = with_geometry  # NOTE [ Crop box and flip ] in field_samples.py
         PackFile.__init__(self, path, verify_checksums=verify_checksums)
         self._image_field = check_fields_options(self)
 
@@ -203,6 +205,10 @@ class LMDBDataset(LMDBPack, PackedDataset):
         decode: "pil" (RGB image, default), "tensor" (uint8 CHW), "numpy" (uint8 HWC), or
             "bytes" (the stored payload).
         verify_checksums: check each record's checksum as it is read (default True).
+        sample_transform: for a pack of fields, applied to the whole sample, after
+            ``transform`` (which goes to the image field): see docs/any-sample.md.
+        with_geometry: for a pack of dict samples, add ``"<image field>_geometry"``: the crop
+            box and flip a fused ``transform`` applied (NOTE [ Crop box and flip ]).
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
@@ -235,6 +241,10 @@ class HDF5Dataset(HDF5Pack, PackedDataset):
         decode: "pil" (RGB image, default), "tensor" (uint8 CHW), "numpy" (uint8 HWC), or
             "bytes" (the stored payload).
         verify_checksums: check each record's checksum as it is read (default True).
+        sample_transform: for a pack of fields, applied to the whole sample, after
+            ``transform`` (which goes to the image field): see docs/any-sample.md.
+        with_geometry: for a pack of dict samples, add ``"<image field>_geometry"``: the crop
+            box and flip a fused ``transform`` applied (NOTE [ Crop box and flip ]).
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
@@ -267,7 +277,13 @@ class HDF5Dataset(HDF5Pack, PackedDataset):
 # unpickling (which calls __new__ without a path) always get the pack dataset.
 
 
-_PACK_ONLY = ("decode", "target_transform", "verify_checksums", "sample_transform")
+_PACK_ONLY = (
+    "decode",
+    "target_transform",
+    "verify_checksums",
+    "sample_transform",
+    "with_geometry",
+)
 
 
 def _check_foreign_arguments(path: Any, args: tuple, kwargs: dict) -> None:

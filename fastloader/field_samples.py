@@ -15,6 +15,7 @@ tuple), to move boxes and keypoints with the image or to build the training tupl
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
@@ -34,12 +35,16 @@ def check_fields_options(dataset: Any) -> str | None:
             pack of (image, label).
     """
     if dataset.schema is None:
+        if dataset.with_geometry:
+            raise ValueError(f"{dataset.path}: with_geometry is for packs of fields")
         if dataset.sample_transform is not None:
             raise ValueError(
                 f"{dataset.path}: sample_transform is for packs of fields; this pack holds "
                 f"(image, label) samples: use transform and target_transform"
             )
         return None
+    if dataset.with_geometry and dataset.schema["structure"] != "dict":
+        raise ValueError(f"{dataset.path}: with_geometry needs dict samples")
     if dataset.target_transform is not None:
         raise ValueError(
             f"{dataset.path}: target_transform is for (image, label) packs; this pack holds "
@@ -68,6 +73,10 @@ class _FieldsReader:
         use_fused = self.target is not None and self.mode != "bytes"
         self.fused = fuse(dataset.transform) if use_fused else None
         self.decoder = FieldsDecoder(dataset.schema)
+        self.geometry: dict | None = None  # of the last image: NOTE [ Crop box and flip ]
+        self.with_geometry = dataset.with_geometry
+        if self.fused is not None and self.with_geometry:
+            self.fused = _recording(self.fused, self)
 
     def load(self, position: int, buffer: Any) -> Any:
         dataset = self.dataset
@@ -78,8 +87,11 @@ class _FieldsReader:
                 raise PackError(f"{where}: an image record in a pack of fields (corrupt pack)")
             return self.decoder.decode(record.payload, where, self.image)
 
+        self.geometry = None
         sample = dataset._checked(position, buffer, decode)
         transform, target = dataset.transform, self.target
+        if self.with_geometry and isinstance(sample, dict):
+            sample[f"{target}_geometry"] = self.geometry
         if transform is not None and self.fused is None:
             if target is None:
                 sample = transform(sample)
@@ -110,6 +122,42 @@ class _FieldsReader:
             return decode_image(record, self.mode, where)
         plain = lambda: decode_image(record, self.mode, where)  # noqa: E731
         return fused.apply_encoded(data, plain, self.mode)
+
+
+# NOTE [ Crop box and flip ]
+# A fused transform crops, resizes and flips the image field while decoding it; boxes and
+# keypoints must follow, and only the user's code knows them. With `with_geometry=True` a dict
+# sample gets "<image field>_geometry": the box that was cut from the stored image (left, top,
+# width, height, in its pixels, as floats), the size it was resized to (out_height,
+# out_width), whether it was then mirrored (flip), and the stored image's size (source_height,
+# source_width); None when the transform did not run fused. A point (x, y) of the stored image
+# lands at ((x - left) * out_width / width, (y - top) * out_height / height), then
+# x -> out_width - x if flip. The box is recorded by wrapping the fused transform's own draw
+# (a copy of it, held by this reader only), so the draws are the ones that made the image.
+
+
+def _recording(fused: Any, reader: _FieldsReader) -> Any:
+    recorder = copy.copy(fused)
+    draw = fused.draw
+
+    def recording_draw(height: int, width: int) -> Any:
+        geometry = draw(height, width)
+        if geometry is not None:
+            reader.geometry = {
+                "left": geometry.left,
+                "top": geometry.top,
+                "width": geometry.width,
+                "height": geometry.height,
+                "out_height": geometry.out_height,
+                "out_width": geometry.out_width,
+                "flip": bool(geometry.flip),
+                "source_height": height,
+                "source_width": width,
+            }
+        return geometry
+
+    recorder.draw = recording_draw
+    return recorder
 
 
 def _index_of(schema: dict, name: str) -> int:
