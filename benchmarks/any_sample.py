@@ -14,7 +14,7 @@ epochs with 2 workers, in batches of 64 and of 256:
 Reported: samples/s of each (median over interleaved rounds, one epoch per row per round,
 loaders made once and warmed up), and the median of per-round ratios to the baseline (the
 goal: >= 3x). With ``mosaicml-streaming`` installed, the same samples are also packed into a
-fastloader LMDB pack (image as a raw field) and MosaicML's MDS (``ndarray`` columns and
+fastloader LMDB and HDF5 pack (image as a raw field) and MosaicML's MDS (``ndarray`` columns and
 ``str``), and read back the same way: the read ratio (goal >= 1.5x), pack seconds and sizes.
 
 Run alone: ``python -m benchmarks --only any_sample``.
@@ -184,9 +184,14 @@ def _packed_vs_mds(path: Path, workdir: Path, count: int, rounds: int) -> dict |
     mds_dir = workdir / f"pose-{count}-mds"
     lmdb_path.unlink(missing_ok=True)
     shutil.rmtree(mds_dir, ignore_errors=True)
+    h5_path = workdir / f"pose-{count}.pack.h5"
+    h5_path.unlink(missing_ok=True)
     started = time.perf_counter()
     fastloader.pack(source, lmdb_path, schema={"image": "image"}, store="raw", workers=WORKERS)
     pack_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    fastloader.pack(source, h5_path, schema={"image": "image"}, store="raw", workers=WORKERS)
+    h5_seconds = time.perf_counter() - started
     columns = {
         "image": "ndarray:uint8",
         "part": "ndarray:float32",
@@ -201,8 +206,8 @@ def _packed_vs_mds(path: Path, workdir: Path, count: int, rounds: int) -> dict |
     mds_seconds = time.perf_counter() - started
     mds_bytes = sum(file.stat().st_size for file in mds_dir.rglob("*") if file.is_file())
     baseline = "MDS StreamingDataset, torch DataLoader"
-    ours = "fastloader LMDB pack"
-    sizes = {baseline: mds_bytes, ours: lmdb_path.stat().st_size}
+    ours, ours_h5 = "fastloader LMDB pack", "fastloader HDF5 pack"
+    sizes = {baseline: mds_bytes, ours: lmdb_path.stat().st_size, ours_h5: h5_path.stat().st_size}
     rows, ratios = [], {}
     for batch in BATCHES:
         common = {"batch_size": batch, "num_workers": WORKERS}
@@ -211,6 +216,9 @@ def _packed_vs_mds(path: Path, workdir: Path, count: int, rounds: int) -> dict |
             baseline: TorchDataLoader(mds, persistent_workers=True, **common),
             ours: fastloader.DataLoader(
                 fastloader.LMDBDataset(lmdb_path, decode="numpy"), shuffle=True, **common
+            ),
+            ours_h5: fastloader.DataLoader(
+                fastloader.HDF5Dataset(h5_path, decode="numpy"), shuffle=True, **common
             ),
         }
         try:
@@ -221,10 +229,14 @@ def _packed_vs_mds(path: Path, workdir: Path, count: int, rounds: int) -> dict |
         batch_rows = _rows(rates, baseline, batch, sizes)
         batch_rows[0]["pack_s"] = round(mds_seconds, 1)
         batch_rows[1]["pack_s"] = round(pack_seconds, 1)
+        batch_rows[2]["pack_s"] = round(h5_seconds, 1)
         rows += batch_rows
-        ratios[f"lmdb_pack_vs_mds_read_batch{batch}"] = round(
-            paired_ratio(rates[ours], rates[baseline]), 2
-        )
+        for name, key in ((ours, "lmdb"), (ours_h5, "hdf5")):
+            ratios[f"{key}_pack_vs_mds_read_batch{batch}"] = round(
+                paired_ratio(rates[name], rates[baseline]), 2
+            )
     ratios["lmdb_pack_seconds_over_mds"] = round(pack_seconds / mds_seconds, 2)
+    ratios["hdf5_pack_seconds_over_mds"] = round(h5_seconds / mds_seconds, 2)
     ratios["lmdb_bytes_over_mds"] = round(sizes[ours] / mds_bytes, 3)
+    ratios["hdf5_bytes_over_mds"] = round(sizes[ours_h5] / mds_bytes, 3)
     return {"rows": rows, "ratios": ratios}

@@ -186,6 +186,17 @@ class FieldsEncoder:
                 f"sample {index} field {name!r}: not an image (a PIL image, image file bytes, "
                 f"or a uint8 HW/HWC array or HW/CHW tensor), got {what}"
             )
+        options = self.options
+        if (
+            options.store == "raw"
+            and options.max_side is None
+            and options.short_side is None
+            and type(value) is np.ndarray
+            and value.dtype == np.uint8
+            and value.ndim == 3
+            and value.shape[2] == 3
+        ):  # RGB pixels stored as they are: what the PIL round trip below would store
+            return encode_image(IMAGE_RAW, value.shape, np.ascontiguousarray(value).tobytes())
         try:
             image = _as_image(value, index)
         except TypeError as error:

@@ -62,6 +62,7 @@ class PackedDataset(PackFile, Dataset):
         *,
         verify_checksums: bool = True,
         sample_transform: Callable | None = None,
+        with_geometry: bool = False,
     ) -> None:
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
@@ -69,6 +70,7 @@ class PackedDataset(PackFile, Dataset):
         self.target_transform = target_transform
         self.decode = decode
         self.sample_transform = sample_transform
+        self.with_geometry = with_geometry  # NOTE [ Crop box and flip ] in field_samples.py
         PackFile.__init__(self, path, verify_checksums=verify_checksums)
         self._image_field = check_fields_options(self)
 
@@ -128,6 +130,11 @@ class PackedDataset(PackFile, Dataset):
         if self.target_transform is not None:
             label = self.target_transform(label)
         return image, label
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = PackFile.__getstate__(self)
+        state.pop("_fields_reader", None)  # planned again where it is read (closures inside)
+        return state
 
     def apply_transforms(self, sample: tuple[Any, int]) -> tuple[Any, Any]:
         """Apply ``transform`` and ``target_transform`` to a decoded ``(image, label)``."""
@@ -212,6 +219,10 @@ class LMDBDataset(LMDBPack, PackedDataset):
         decode: "pil" (RGB image, default), "tensor" (uint8 CHW), "numpy" (uint8 HWC), or
             "bytes" (the stored payload).
         verify_checksums: check each record's checksum as it is read (default True).
+        sample_transform: for a pack of fields, applied to the whole sample, after
+            ``transform`` (which goes to the image field): see docs/any-sample.md.
+        with_geometry: for a pack of dict samples, add ``"<image field>_geometry"``: the crop
+            box and flip a fused ``transform`` applied (NOTE [ Crop box and flip ]).
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
@@ -229,6 +240,7 @@ class LMDBDataset(LMDBPack, PackedDataset):
         if cls is LMDBDataset and path is not None and _foreign(path, "lmdb"):
             from fastloader.foreign import LMDBFileDataset
 
+            _check_foreign_arguments(path, args, kwargs)
             return LMDBFileDataset(path, *args, **kwargs)
         return super().__new__(cls)
 
@@ -243,6 +255,10 @@ class HDF5Dataset(HDF5Pack, PackedDataset):
         decode: "pil" (RGB image, default), "tensor" (uint8 CHW), "numpy" (uint8 HWC), or
             "bytes" (the stored payload).
         verify_checksums: check each record's checksum as it is read (default True).
+        sample_transform: for a pack of fields, applied to the whole sample, after
+            ``transform`` (which goes to the image field): see docs/any-sample.md.
+        with_geometry: for a pack of dict samples, add ``"<image field>_geometry"``: the crop
+            box and flip a fused ``transform`` applied (NOTE [ Crop box and flip ]).
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
@@ -260,6 +276,7 @@ class HDF5Dataset(HDF5Pack, PackedDataset):
         if cls is HDF5Dataset and path is not None and _foreign(path, "hdf5"):
             from fastloader.foreign import HDF5FileDataset
 
+            _check_foreign_arguments(path, args, kwargs)
             return HDF5FileDataset(path, *args, **kwargs)
         return super().__new__(cls)
 
@@ -272,6 +289,29 @@ class HDF5Dataset(HDF5Pack, PackedDataset):
 # skips __init__, since the object is not an HDF5Dataset. A damaged, truncated or interrupted
 # pack still goes to the pack reader, which says what is wrong with it. Subclasses and
 # unpickling (which calls __new__ without a path) always get the pack dataset.
+
+
+_PACK_ONLY = (
+    "decode",
+    "target_transform",
+    "verify_checksums",
+    "sample_transform",
+    "with_geometry",
+)
+
+
+def _check_foreign_arguments(path: Any, args: tuple, kwargs: dict) -> None:
+    """A user's own file takes the foreign dataset's arguments: say so for a pack's."""
+    given = [
+        name
+        for name in _PACK_ONLY
+        if name in kwargs and not (name == "decode" and callable(kwargs[name]))  # LMDB's own
+    ]
+    if given:
+        raise TypeError(
+            f"{path}: not a fastloader pack but a user's own file, read in place: "
+            f"{given[0]}= applies to packs (see docs/any-sample.md)"
+        )
 
 
 def _foreign(path: Any, backend: str) -> bool:

@@ -241,6 +241,14 @@ def _fields_job(dataset: Any, options: Options, classes: Any, schema: Any) -> _J
     return _Job(encoder, range(len(dataset)), str, [], source, parallel, schema=schema)
 
 
+def _is_hdf5_file(source: str | os.PathLike) -> bool:
+    path = os.path.expanduser(os.fspath(source))
+    if not os.path.isfile(path):
+        return False
+    with open(path, "rb") as file:
+        return file.read(8) == b"\x89HDF\r\n\x1a\n"
+
+
 def _dataset_classes(dataset: Any, classes: Sequence[str] | None) -> list[str]:
     """``classes``, else ``dataset.classes``, else ``"0"`` .. ``str(largest label)``.
 
@@ -371,7 +379,10 @@ def pack(
     Args:
         source: an image folder in torchvision ``ImageFolder`` layout, or a map-style dataset
             of ``(image, label)`` samples: the image a PIL image, a uint8 array (HW or HWC), a
-            uint8 tensor (HW or CHW) or the bytes of an image file; the label an int.
+            uint8 tensor (HW or CHW) or the bytes of an image file; the label an int. Or a
+            dataset of samples with fields (see ``schema``), or the path of an HDF5 file of
+            aligned datasets (its rows are dict samples; ``schema={"image": "image"}`` stores a
+            uint8 dataset as images).
         path: the pack to write.
         format: ``"lmdb"`` or ``"hdf5"``; by default from the suffix of ``path`` (``.lmdb``,
             ``.h5``, ``.hdf5``).
@@ -434,6 +445,10 @@ def pack(
     if check not in CHECKS:
         raise ValueError(f"check must be one of {', '.join(CHECKS)}, got {check!r}")
     options = Options(store, quality, max_side, short_side, check)
+    if isinstance(source, (str, os.PathLike)) and _is_hdf5_file(source):
+        from fastloader.formats.hdf5_foreign import HDF5File
+
+        source = HDF5File(os.path.expanduser(os.fspath(source)))  # NOTE [ Samples of fields ]
     if isinstance(source, (str, os.PathLike)):
         if classes is not None:
             raise ValueError("classes= is for datasets: an image folder's classes are its folders")

@@ -296,8 +296,49 @@ def test_damaged_field_tables_are_pack_errors_not_crashes():
 
 def test_without_image_fields_a_pose_file_packs_as_arrays(pose, tmp_path):
     target = tmp_path / "pose.h5pack.h5"
-    pack(HDF5File(pose), target, workers=0)
+    pack(str(pose), target, workers=0)  # the path of an HDF5 file: its rows are the samples
     kinds = {field["name"]: field["kind"] for field in read_metadata(target)["schema"]["fields"]}
     assert kinds == {"image": "array", "part": "array", "S": "array", "imagename": "str"}
     want = h5py_rows(pose, POSE_FIELDS)
     assert_same_sample(HDF5Dataset(target)[7], want[7])
+
+
+def test_a_pack_of_fields_read_in_the_parent_still_pickles(tmp_path):
+    import pickle
+
+    pack(Detection(3), tmp_path / "d.lmdb", store="raw", workers=0)
+    dataset = LMDBDataset(tmp_path / "d.lmdb", decode="numpy")
+    dataset[0]  # plans the reading (closures): spawn workers must still get the dataset
+    copy = pickle.loads(pickle.dumps(dataset))
+    _assert_detection_equal(copy[2], Detection(3)[2])
+
+
+def test_the_crop_box_and_flip_of_a_fused_transform_come_with_the_sample(tmp_path):
+    from fastloader import transforms
+
+    source = Detection(3)
+    pack(source, tmp_path / "d.lmdb", store="raw", workers=0)
+    flip_crop = transforms.Compose([transforms.CenterCrop(8), transforms.RandomHorizontalFlip(1.0)])
+    dataset = LMDBDataset(
+        tmp_path / "d.lmdb", transform=flip_crop, decode="numpy", with_geometry=True
+    )
+    sample = dataset[1]
+    geometry = sample["image_geometry"]
+    assert geometry == {
+        "left": 8.0,
+        "top": 6.0,
+        "width": 8.0,
+        "height": 8.0,
+        "out_height": 8,
+        "out_width": 8,
+        "flip": True,
+        "source_height": 20,
+        "source_width": 24,
+    }
+    stored = np.asarray(source[1]["image"])
+    assert np.array_equal(sample["image"], stored[6:14, 8:16][:, ::-1])
+    plain = LMDBDataset(tmp_path / "d.lmdb", decode="numpy", with_geometry=True)
+    assert plain[0]["image_geometry"] is None  # no fused transform: nothing was cut
+    with pytest.raises(ValueError, match="with_geometry is for packs of fields"):
+        pack(ImageDataset(), tmp_path / "old.lmdb", workers=0)
+        LMDBDataset(tmp_path / "old.lmdb", with_geometry=True)

@@ -70,6 +70,7 @@ def test_fields_as_a_tuple_in_the_order_given(pose):
 )
 def test_loader_workers_read_every_field_equal_to_h5py(pose, workers, method):
     dataset = HDF5Dataset(pose, fields=list(ALL))
+    dataset[0]  # the parent opens the file first: workers must not use its handle
     context = multiprocessing.get_context(method) if method else None
     loader = DataLoader(
         dataset,
@@ -156,6 +157,14 @@ def test_storage_in_other_files_is_refused_unless_allowed(tmp_path):
         assert [allowed[i]["x"] for i in range(8)] == list(range(8)), name
 
 
+def test_rows_larger_than_the_file_could_hold_are_refused(tmp_path):
+    path = tmp_path / "huge.h5"
+    with h5py.File(path, "w") as file:  # chunked, never written: a tiny file declaring 8 TB rows
+        file.create_dataset("x", (4, 1 << 40), "<f8", chunks=(1, 1 << 16))
+    with pytest.raises(PackError, match="'x' declares rows of 8796093022208 bytes"):
+        HDF5Dataset(path)
+
+
 def test_a_truncated_file_is_a_clear_error(pose):
     data = pose.read_bytes()
     pose.write_bytes(data[: len(data) * 2 // 3])
@@ -231,3 +240,34 @@ def test_fixed_length_strings_are_mapped_and_read_as_str(tmp_path):
     dataset = HDF5Dataset(path)
     assert dataset.fields[0].offset is not None
     assert [dataset[index]["name"] for index in range(6)] == [f"n{i}" for i in range(6)]
+
+
+def test_a_truncated_lmdb_environment_is_a_clear_error(env_dir):
+    data = env_dir / "data.mdb"
+    data.write_bytes(data.read_bytes()[:5000])
+    with pytest.raises(PackError, match="truncated or damaged LMDB file"):
+        LMDBDataset(env_dir)
+
+
+def test_random_transforms_are_seeded_per_sample_for_any_worker_count(pose):
+    def jitter(sample):
+        return {"part": sample["part"] + np.random.rand(), "name": sample["imagename"]}
+
+    dataset = HDF5Dataset(pose, transform=jitter)
+    seen = []
+    for workers in (0, 2):
+        loader = DataLoader(dataset, batch_size=4, num_workers=workers, shuffle=True, seed=5)
+        seen.append(
+            {
+                name: part
+                for batch in loader
+                for name, part in zip(batch["name"], batch["part"], strict=True)
+            }
+        )
+    assert seen[0].keys() == seen[1].keys() and len(seen[0]) == POSE_COUNT
+    assert all(torch.equal(seen[0][name], seen[1][name]) for name in seen[0])
+
+
+def test_pack_arguments_on_a_users_file_say_what_it_is(pose):
+    with pytest.raises(TypeError, match="not a fastloader pack but a user's own file.*decode="):
+        HDF5Dataset(pose, decode="numpy")

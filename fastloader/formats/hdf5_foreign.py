@@ -20,7 +20,8 @@ crashes, reads outside the file or allocates more than its size justifies.
   HDF5 reports for it, checked to lie inside the file: a row is a slice of memory, no HDF5
   call (NOTE [ Mapped rows ]). Everything else (chunked, compressed, strings of variable
   length) is read by h5py, whose filters bound what they inflate to the dataset's declared
-  shape, itself bounded by the file's size for contiguous data and by h5py's chunk checks.
+  shape; a row that no compression of the file could hold (more than deflate's 1032:1) is
+  refused at construction, so a hostile shape cannot make a read allocate terabytes.
 
 NOTE [ Mapped rows ]
 h5py pays 10-30 us of Python and HDF5 bookkeeping per ``dataset[i]`` (selection, type
@@ -48,6 +49,7 @@ __all__ = ["HDF5File", "is_hdf5_pack"]
 
 _PACK_NAMES = frozenset(("records", "offsets", "targets", "metadata", "sources", "source_offsets"))
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+_MAX_INFLATION = 1032  # deflate's largest ratio: a row larger than that is not in the file
 
 
 class _Field(NamedTuple):
@@ -217,6 +219,12 @@ class HDF5File:
             )
         if dtype.kind not in "biufc" and not (dtype.kind == "V" and dtype.fields):
             raise PackError(f"{where} holds {dtype} values, which fastloader does not read")
+        row_bytes = _items(shape[1:]) * dtype.itemsize
+        if row_bytes > _MAX_INFLATION * self._identity[2] + (1 << 20):
+            raise PackError(
+                f"{where} declares rows of {row_bytes} bytes in a file of {self._identity[2]} "
+                f"bytes: more than any compression of it could hold (damaged or hostile)"
+            )
         kind = "scalar" if len(shape) == 1 and dtype.fields is None else "array"
         offset = None
         if not external and layout == h5py.h5d.CONTIGUOUS and not plist.get_nfilters():

@@ -26,7 +26,7 @@ from typing import Any
 import lmdb
 import numpy as np
 
-from fastloader.formats.lmdb_checks import check_lmdb_file, value_lies_in_file
+from fastloader.formats.lmdb_checks import check_lmdb_file, record_key, value_lies_in_file
 from fastloader.formats.packfile import file_identity, is_tensor
 from fastloader.formats.records import PackError
 
@@ -45,9 +45,11 @@ def _data_file(path: Path) -> tuple[Path, bool]:
 def is_lmdb_pack(path: str | os.PathLike) -> bool:
     """Whether ``path`` should be opened as a fastloader pack rather than a user's environment.
 
-    A folder is a user's environment (packs are single files). A file is a pack unless its first
-    or last key is neither a record index (8 bytes) nor a name a pack uses; a file that cannot be
-    opened is left to the pack reader, which says what is wrong.
+    A folder is a user's environment (packs are single files). A file is a pack if it holds a
+    key only packs have (the metadata, the labels, or record 0 under its 8-byte index: an
+    interrupted pack has only records), found by fastloader's own checked walk of the B-tree
+    (lmdb_checks), never by py-lmdb on a file not yet trusted; a file that is not LMDB, or is
+    damaged, is left to the pack reader, which says what is wrong.
     """
     path = Path(path)
     if path.is_dir():
@@ -57,14 +59,19 @@ def is_lmdb_pack(path: str | os.PathLike) -> bool:
         if entry is not None and entry[0] == os.getpid():
             return False  # open here already as a user's environment
         size = os.path.getsize(path)
-        check_lmdb_file(path, size)
-        with _opened(path, size, subdir=False) as env, env.begin() as txn:
-            cursor = txn.cursor()
-            ends = [cursor.key() if cursor.first() else None]
-            ends.append(cursor.key() if cursor.last() else None)
+        psize, root = check_lmdb_file(path, size)
+        if root == (1 << 64) - 1:  # an empty database
+            return True
+        with (
+            open(path, "rb") as opened,
+            mmap.mmap(opened.fileno(), size, access=mmap.ACCESS_READ) as mapped,
+        ):
+            return any(
+                value_lies_in_file(mapped, psize, root, key) is not None
+                for key in (*_PACK_KEYS[:2], record_key(0))
+            )
     except Exception:  # noqa: BLE001 - the pack reader reports what is wrong
         return True
-    return all(key is None or len(key) == 8 or key in _PACK_KEYS for key in ends)
 
 
 class _opened:
