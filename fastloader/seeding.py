@@ -175,10 +175,13 @@ SEED_RNGS_MODES = ("auto", "always", "never")
 
 def seeding_options(loader: Any) -> dict[str, Any]:
     """What a loader's ``SeededDataset`` needs to know beyond its seed (for the iterators)."""
+    from fastloader import collate  # fastloader's default collate_fn, torch's with a clearer error
+
+    # the default collate_fns draw nothing: no need to seed for them (NOTE [ Lazy seeding ])
+    drawless = (default_collate, collate.default_collate)
     return {
         "seed_rngs": loader.seed_rngs,
-        # torch's default collate_fn draws nothing: no need to seed for it (NOTE [ Lazy seeding ])
-        "collate_may_draw": loader.collate_fn is not default_collate,
+        "collate_may_draw": all(loader.collate_fn is not fn for fn in drawless),
     }
 
 
