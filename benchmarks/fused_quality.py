@@ -13,9 +13,9 @@ Photos:
   plasma-workspace-wallpapers lomiri-wallpapers`` then ``dpkg -x`` each into DIR); without it,
   scikit-image's photos upscaled 4x (bicubic) stand in, and the table says so.
 
-Time: the median over photos of the fused call (``apply_encoded``, decode included), one core,
-repeated ``--rounds`` times; compare versions by running the script against each checkout
-(``PYTHONPATH=<checkout>``).
+Time: the median over photos and seeds of the fused call (``apply_encoded``, decode included),
+one core; the median of ``--rounds`` rounds. Compare versions by running the script with each
+checkout's ``fastloader`` first on the path, alternately.
 
 Run: ``python -m benchmarks.fused_quality [--large DIR] [--seeds 3] [--rounds 3] [--json F]``
 (not part of ``python -m benchmarks``).
@@ -86,29 +86,46 @@ def large_photos(workdir: Path, folder: str | None) -> tuple[str, list[Path]]:
     return f"{len(paths)} scikit-image photos upscaled 4x (bicubic)", paths
 
 
-def measure(paths: list[Path], seeds: int) -> dict:
-    """PSNR per (photo, transform, seed) and the fused call's time per photo."""
+def measure_psnr(paths: list[Path], seeds: int) -> dict[str, list[float]]:
+    """PSNR of the fused output against torchvision's, per (photo, transform, seed)."""
     from fastloader.decoding import fuse
 
     scores: dict[str, list[float]] = {name: [] for name in TRANSFORMS}
-    times: dict[str, list[float]] = {name: [] for name in TRANSFORMS}
     for path in paths:
         data = path.read_bytes()
-
-        def plain(data: bytes = data) -> Image.Image:
-            return Image.open(io.BytesIO(data)).convert("RGB")
-
+        reference = Image.open(io.BytesIO(data)).convert("RGB")
         for name, transform in _transforms().items():
             fused = fuse(transform)
             for seed in range(seeds):
                 torch.manual_seed(seed)
-                want = np.asarray(transform(plain()))
+                want = np.asarray(transform(reference))
+                torch.manual_seed(seed)
+                got = fused.apply_encoded(data, reference.copy, "numpy")
+                scores[name].append(psnr(np.asarray(got).reshape(want.shape), want))
+    return scores
+
+
+def measure_seconds(paths: list[Path], seeds: int) -> dict[str, float]:
+    """The median time of the fused call (decode included) per image, per transform."""
+    from fastloader.decoding import fuse
+
+    files = [path.read_bytes() for path in paths]
+    times: dict[str, float] = {}
+    for name, transform in _transforms().items():
+        fused = fuse(transform)
+        samples = []
+        for data in files:
+            for seed in range(seeds):
                 torch.manual_seed(seed)
                 started = time.perf_counter()
-                got = fused.apply_encoded(data, plain, "numpy")
-                times[name].append(time.perf_counter() - started)
-                scores[name].append(psnr(np.asarray(got).reshape(want.shape), want))
-    return {"psnr": scores, "seconds": times}
+                fused.apply_encoded(data, _no_plain, "numpy")
+                samples.append(time.perf_counter() - started)
+        times[name] = float(np.median(samples))
+    return times
+
+
+def _no_plain() -> None:
+    raise AssertionError("the benchmark photos decode fused")
 
 
 def summary(scores: list[float]) -> dict[str, float]:
@@ -144,10 +161,11 @@ def main(argv: list[str] | None = None) -> None:
         print("| photos | transform | median dB | p10 dB | worst dB | ms per image |")
         print("|---|---|---:|---:|---:|---:|")
         for label, (what, paths) in sets.items():
-            rounds = [measure(paths, args.seeds) for _ in range(args.rounds)]
+            scores = measure_psnr(paths, args.seeds)
+            rounds = [measure_seconds(paths, args.seeds) for _ in range(args.rounds)]
             for name in TRANSFORMS:
-                row = summary(rounds[0]["psnr"][name])
-                row["ms"] = float(np.median([np.median(r["seconds"][name]) for r in rounds]) * 1e3)
+                row = summary(scores[name])
+                row["ms"] = float(np.median([times[name] for times in rounds]) * 1e3)
                 results[f"{label}/{name}"] = {"photos": what, **row}
                 print(
                     f"| {label}: {what} | {name} | {row['median']:.1f} | {row['p10']:.1f} | "
