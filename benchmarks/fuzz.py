@@ -14,6 +14,16 @@ tests/test_pack_fuzz.py runs a bounded version of this in CI.
 
 Run: ``python -m benchmarks.fuzz [--trials 80] [--seed 0] [--photos]`` (not part of
 ``python -m benchmarks``).
+
+``--scan-data`` fuzzes JPEG files instead of packs: each trial damages only the entropy-coded
+scan data of a photo (random byte flips, or a stray marker written into it; the end marker
+stays), then decodes it through the fused path with crops of every kind (random crops at full
+scale, the kind earlier versions decoded as a region; DCT-scaled crops; the whole image), many
+seeds each, and compares with torchvision's path (Pillow's full decode, then the same
+transform). A trial is ``silently wrong`` if any crop gives pixels where Pillow raises, or
+pixels far from Pillow's (PSNR < 30 dB) where Pillow decodes; ``other exception`` if the error
+is not an OSError or a DecompressionBombError; ``crashed`` or ``hung`` if the child died or
+took over 60 s.
 """
 
 from __future__ import annotations
@@ -181,6 +191,135 @@ def fuzz(
     return counts
 
 
+# --- damaged scan data, through the fused path (--scan-data) ---------------------------------
+
+SCAN_OUTCOMES = ("same as torch", "silently wrong", "other exception", "crashed", "hung")
+SCAN_SEEDS = 12
+
+
+def _crop_kinds() -> dict:
+    from fastloader import transforms as T
+
+    return {  # on 320x240 and 640x480 photos
+        "full-scale random crop": T.Compose([T.RandomResizedCrop(96), T.RandomHorizontalFlip()]),
+        "DCT-scaled": T.Compose([T.Resize(64), T.CenterCrop(56)]),
+        "whole image": T.Compose([T.Resize(240)]),
+    }
+
+
+def scan_photos() -> list[bytes]:
+    """Four JPEGs of the benchmark photos: baseline and progressive, 320x240 and 640x480."""
+    from benchmarks._photos import source_photos
+
+    photos = list(source_photos()[1].values())
+    out = []
+    for index, (width, height, progressive) in enumerate(
+        [(320, 240, False), (320, 240, True), (640, 480, False), (640, 480, True)]
+    ):
+        image = Image.fromarray(photos[index % len(photos)]).convert("RGB")
+        buffer = io.BytesIO()
+        image.resize((width, height)).save(buffer, "JPEG", quality=90, progressive=progressive)
+        out.append(buffer.getvalue())
+    return out
+
+
+def damage_scan_data(data: bytes, rng: np.random.Generator) -> bytes:
+    """``data`` with its entropy-coded data damaged, the headers and end marker intact."""
+    start = data.find(b"\xff\xda") + 4
+    end = len(data) - 2
+    damaged = bytearray(data)
+    if rng.random() < 0.5:
+        for position in rng.integers(start + 16, end, size=int(rng.integers(1, 6))):
+            damaged[position] ^= int(rng.integers(1, 256))
+    else:
+        position = int(rng.integers(start + 16, end - 2))
+        damaged[position : position + 2] = bytes([0xFF, int(rng.choice([0xC0, 0xD8, 0xDB, 0xC4]))])
+    return bytes(damaged)
+
+
+def _psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return 99.0 if mse == 0 else 10 * float(np.log10(255**2 / mse))
+
+
+def judge_scan_damage(path: str) -> str:
+    """Decode one damaged JPEG on every crop kind and seed; the trial's outcome."""
+    import torch
+
+    from fastloader.decoding import fuse
+
+    data = Path(path).read_bytes()
+
+    def plain() -> Image.Image:
+        return Image.open(io.BytesIO(data)).convert("RGB")
+
+    try:
+        reference = plain()
+    except OSError:
+        reference = None
+    outcome = "same as torch"
+    for transform in _crop_kinds().values():
+        fused = fuse(transform)
+        for seed in range(SCAN_SEEDS):
+            torch.manual_seed(seed)
+            try:
+                got = np.asarray(fused.apply_encoded(data, plain, "numpy"))
+            except OSError:
+                if reference is not None:
+                    return "other exception"  # refused a file Pillow loads
+                continue
+            except Exception:  # noqa: BLE001 - what we are looking for
+                return "other exception"
+            if reference is None:
+                return "silently wrong"
+            torch.manual_seed(seed)
+            want = np.asarray(transform(reference))
+            if _psnr(got.reshape(want.shape), want) < 30:
+                outcome = "silently wrong"
+    return outcome
+
+
+def run_scan_trials(paths: list[Path], timeout: float = 60.0) -> list[str]:
+    """Judge each file in a child process; "crashed"/"hung" for the one a child died on."""
+    results: list[str] = []
+    while len(results) < len(paths):
+        rest = paths[len(results) :]
+        child = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.fuzz", "--scan-child"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        hung = False
+        try:
+            out, _ = child.communicate("\n".join(map(str, rest)) + "\n", timeout=timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            out, _ = child.communicate()
+            hung = True
+        lines = [json.loads(line) for line in out.splitlines() if line.startswith('"')]
+        results += lines
+        if len(lines) < len(rest):
+            results.append("hung" if hung else "crashed")
+    return results[: len(paths)]
+
+
+def fuzz_scan_data(workdir: Path, trials: int, seed: int) -> dict[str, int]:
+    """Count the outcomes of ``trials`` JPEGs with damaged scan data."""
+    rng = np.random.default_rng(seed)
+    photos = scan_photos()
+    paths = []
+    for trial in range(trials):
+        path = workdir / f"scan-{trial}.jpg"
+        path.write_bytes(damage_scan_data(photos[trial % len(photos)], rng))
+        paths.append(path)
+    counts = dict.fromkeys(SCAN_OUTCOMES, 0)
+    for outcome in run_scan_trials(paths, timeout=60.0 + trials):
+        counts[outcome] += 1
+    return counts
+
+
 CRASH_FOR_TEST = ".crash-for-test"  # a path naming this makes the child die, as a crash would
 
 
@@ -195,6 +334,12 @@ def _child() -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.fuzz")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--scan-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--scan-data",
+        action="store_true",
+        help="fuzz JPEG scan data through the fused path (every crop kind) instead of packs",
+    )
     parser.add_argument("--trials", type=int, default=80)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kinds", default="flip,truncate")
@@ -214,6 +359,24 @@ def main(argv: list[str] | None = None) -> None:
         os.environ[_NO_CHECKSUMS] = "1"
     if args.child:
         _child()
+        return
+    if args.scan_child:
+        for line in sys.stdin:
+            if line.strip():
+                print(json.dumps(judge_scan_damage(line.strip())), flush=True)
+        return
+    if args.scan_data:
+        print("| damage | trials | " + " | ".join(SCAN_OUTCOMES) + " |")
+        print("|---|---|" + "---|" * len(SCAN_OUTCOMES))
+        with tempfile.TemporaryDirectory() as workdir:
+            started = time.perf_counter()
+            counts = fuzz_scan_data(Path(workdir), args.trials, args.seed)
+            cells = " | ".join(str(counts[name]) for name in SCAN_OUTCOMES)
+            print(
+                f"| JPEG scan data: byte flips or a stray marker, {SCAN_SEEDS} seeds x "
+                f"{len(_crop_kinds())} crop kinds each | {args.trials} | {cells} |"
+                f"  ({time.perf_counter() - started:.0f} s)"
+            )
         return
     print("| pack | damage | trials | " + " | ".join(OUTCOMES) + " |")
     print("|---|---|---|" + "---|" * len(OUTCOMES))

@@ -74,7 +74,9 @@ def decode_image(
         PIL.UnidentifiedImageError: if the bytes are not an image Pillow reads.
         OSError: if the file is truncated or corrupt (even with Pillow's
             ``ImageFile.LOAD_TRUNCATED_IMAGES`` set).
+        PIL.Image.DecompressionBombError: for a bomb (NOTE [ Decompression bombs ]).
     """
+    check_jpeg_scans(data)  # Pillow checks the pixel limit in Image.open
     with strict_decoding():
         image = Image.open(io.BytesIO(data))
         if max_side is not None or short_side is not None:

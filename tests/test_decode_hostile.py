@@ -157,6 +157,9 @@ def test_bombs_are_refused_from_the_header_with_pillows_error(tmp_path, monkeypa
     for transform in [*CROPS.values(), None]:
         with pytest.raises(Image.DecompressionBombError, match="bomb.jpg"):
             ImageFolder(tmp_path, transform)[0]
+    for packers_helper in (images.check_jpeg, images.decode_image):
+        with pytest.raises(Image.DecompressionBombError):
+            packers_helper(bomb)
 
 
 def test_pixel_limit_follows_pillows_setting_for_every_transform(tmp_path, monkeypatch):
@@ -238,8 +241,9 @@ def test_scan_bombs_are_refused_on_every_path(tmp_path, monkeypatch):
             with pytest.raises(catch, match="scans.jpg: progressive JPEG with more than 500"):
                 ImageFolder(tmp_path, transform)[0]
     monkeypatch.undo()
-    with pytest.raises(images.JPEGScanLimitError):  # the packer's check
-        images.check_jpeg(bomb)
+    for packers_helper in (images.check_jpeg, images.decode_image):
+        with pytest.raises(images.JPEGScanLimitError):
+            packers_helper(bomb)
     monkeypatch.setattr(images, "MAX_JPEG_SCANS", None)  # a user who accepts them
     assert ImageFolder(tmp_path, CROPS["DCT-scaled"])[0][0].size == (56, 56)
 
