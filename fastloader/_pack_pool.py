@@ -41,8 +41,9 @@ _DEATHS = 2  # an item whose worker dies this many times is skipped
 # With workers=0 items are encoded in the packer's own process: the pixel limit holds, the
 # time limit cannot (nothing can stop libjpeg there), so the CLI and pack() use at least one
 # worker process for a full check unless told `--workers 0`.
-# Results are yielded in item order; at most `4 * workers` chunks are ahead of the writer, so
-# memory stays bounded however slow the writer is.
+# Results are yielded in item order; each worker has at most two chunks queued (no idle gap
+# between chunks) and at most `4 * workers` chunks are ahead of the writer, so memory stays
+# bounded however slow the writer is. A retried item goes alone to an idle worker.
 
 
 def _serve(connection: Any, encoder: Callable[[Any], Encoded], parent: int) -> None:
@@ -78,8 +79,8 @@ class _Worker:
     def __init__(self, context: Any, encoder: Callable, parent: int) -> None:
         self.connection, child = context.Pipe()
         self.process = context.Process(
-            target=_serve, args=(child, encoder, parent), name="fastloader-pack", daemon=True
-        )
+            target=_serve, args=(child, encoder, parent), name="fastloader-pack"
+        )  # not daemonic: a dataset may start processes (the finally of the pool stops them)
         self.process.start()
         child.close()
         self.pending: deque[int] = deque()  # indices sent and not done, in order
@@ -88,8 +89,9 @@ class _Worker:
     def send(self, indices: list[int], items: Sequence) -> None:
         # consecutive indices go as one chunk; a retried item goes alone
         self.connection.send((indices[0], [items[index] for index in indices]))
+        if not self.pending:  # else the item at work keeps its start time
+            self.since = time.monotonic()
         self.pending.extend(indices)
-        self.since = time.monotonic()
 
     def kill(self) -> None:
         with contextlib.suppress(OSError):
@@ -143,8 +145,8 @@ def encode_in_workers(
         with frozen_heap():  # see NOTE [ Forking the packer's workers ]
             pool = [_Worker(context, encoder, parent) for _ in range(workers)]
         while next_out < len(items):
-            for worker in pool:  # give work to the idle
-                if worker.pending:
+            for worker in pool:  # at most two chunks per worker: no idle gap between them
+                if len(worker.pending) > size or (retry and worker.pending):
                     continue
                 if retry:
                     worker.send([retry.popleft()], items)
@@ -154,7 +156,7 @@ def encode_in_workers(
                     next_in = stop
             busy = [worker for worker in pool if worker.pending]
             waits = [w.connection for w in busy] + [w.process.sentinel for w in busy]
-            for ready in wait(waits, timeout=min(1.0, seconds)):
+            for ready in wait(waits, timeout=min(1.0, seconds)) if waits else ():
                 worker = next(w for w in busy if ready in (w.connection, w.process.sentinel))
                 if ready is worker.connection:
                     _receive(worker, results)

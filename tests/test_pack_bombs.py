@@ -172,8 +172,11 @@ def _pillow_loads(data: bytes) -> bool:
 @pytest.mark.parametrize("bomb", [_jpeg_bomb, _png_bomb])
 def test_pixel_limit_is_pillows_and_follows_it(bomb, monkeypatch):
     data = bomb()
-    with pytest.raises(Image.DecompressionBombError):
+    with pytest.raises(Image.DecompressionBombError) as pillows:
+        Image.open(io.BytesIO(data))
+    with pytest.raises(Image.DecompressionBombError) as ours:
         check_pixels(data)
+    assert str(ours.value) == str(pillows.value)
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)  # the user lifted it
     check_pixels(data)
     small = _jpeg(64, 48)
