@@ -25,16 +25,9 @@ from typing import Any, NamedTuple
 
 from tqdm import tqdm
 
+from fastloader._pack_output import file_identity, free_bytes, publish, storage_error
 from fastloader._pack_pool import IMAGE_SECONDS, encode_in_workers
-from fastloader._pack_process import (
-    file_identity,
-    free_bytes,
-    partial_path,
-    publish,
-    raise_if_signalled,
-    remove_stale_partials,
-    storage_error,
-)
+from fastloader._pack_process import partial_path, raise_if_signalled, remove_stale_partials
 from fastloader._pack_worker import (
     DatasetEncoder,
     Encoded,
@@ -298,12 +291,13 @@ def _default_workers() -> int:
 
 # NOTE [ Atomic packing ]
 # The writer writes a hidden temporary file beside the target, `.NAME.partial-PID@HOST`, in the
-# same folder so that the final rename is atomic within one file system (and never replaces a
-# DST that appeared meanwhile unless asked: NOTE [ Publishing the pack ] in _pack_process.py). The
-# rename happens only after the writer's close() succeeded and the file is synced; close()
-# writes the metadata last, so a temporary file left by a killed run never opens as a complete
-# pack. On any exception, KeyboardInterrupt and SIGTERM (via the CLI) included, the writer is
-# aborted and the temporary file is removed; an existing target is untouched until the rename.
+# same folder so that the final rename is atomic within one file system (and never replaces
+# a DST that appeared meanwhile unless asked: NOTE [ Publishing the pack ] in
+# _pack_output.py). The rename happens only after the writer's close() succeeded and the
+# file is synced; close() writes the metadata last, so a temporary file left by a killed run
+# never opens as a complete pack. On any exception, KeyboardInterrupt and SIGTERM (via the
+# CLI) included, the writer is aborted and the temporary file is removed (a full disk is named:
+# NOTE [ Disk full while packing ]); an existing target is untouched until the rename.
 # Only SIGKILL (or a power cut) leaves a partial file: each run first removes the partial files
 # for its DST whose packer process is dead: written on this host (the name says which; a
 # folder may be shared between hosts, whose pids mean nothing here) by a pid that no longer
