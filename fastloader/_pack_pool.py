@@ -160,18 +160,21 @@ def encode_in_workers(
                 worker = next(w for w in busy if ready in (w.connection, w.process.sentinel))
                 if ready is worker.connection:
                     _receive(worker, results)
-            now = time.monotonic()
             for slot, worker in enumerate(pool):
-                late = worker.pending and now - worker.since > seconds
-                if worker.process.is_alive() and not late:
+                alive = worker.process.is_alive()
+                late = worker.pending and time.monotonic() - worker.since > seconds
+                if alive and not late:
                     continue
-                while worker.process.is_alive() is False and _receive(worker, results):
-                    pass  # results sent before it died
-                if not worker.pending and not worker.process.is_alive():
+                while _receive(worker, results):
+                    pass  # results sent before it died, or while the writer kept us away
+                late = worker.pending and time.monotonic() - worker.since > seconds
+                if alive and not late:
+                    continue
+                if not worker.pending and not alive:
                     worker.kill()
                     pool[slot] = _Worker(context, encoder, parent)
                     continue
-                if late and worker.process.is_alive():
+                if late and alive:
                     worker.kill()
                     index = worker.pending.popleft()
                     reason = f"took more than {seconds:g} s to decode (a scan bomb?); stopped"

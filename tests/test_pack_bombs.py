@@ -312,3 +312,16 @@ def test_jpegs_pillow_loads_despite_a_libjpeg_warning_are_packed(tmp_path):
         summary = pack(source, tmp_path / f"{store}.lmdb", store=store, workers=0)
         assert summary.count == 5
         assert [Path(where).name for where, _ in summary.skipped] == ["damaged-scan-data.jpg"]
+
+
+def test_a_slow_writer_never_makes_a_quick_image_late():
+    """Results wait in the pipe while the writer is busy: that time is not the image's."""
+    from fastloader._pack_pool import encode_in_workers
+    from fastloader._pack_worker import DatasetEncoder, Options
+
+    encoder = DatasetEncoder(ImageDataset("hwc", 4), Options("raw", 90, None), 2)
+    results = []
+    for result in encode_in_workers(encoder, range(4), 2, "fork", seconds=0.3):
+        results.append(result)
+        time.sleep(0.5)  # a writer slower than the limit
+    assert [result.reason for result in results] == [None] * 4
