@@ -325,3 +325,26 @@ def test_a_slow_writer_never_makes_a_quick_image_late():
         results.append(result)
         time.sleep(0.5)  # a writer slower than the limit
     assert [result.reason for result in results] == [None] * 4
+
+
+class _HoldsTheGilAt(ImageDataset):
+    """Sample ``at`` never returns and holds the GIL meanwhile (a C call through PyDLL), so
+    results of the samples before it cannot leave its worker."""
+
+    def __init__(self, at: int, n: int) -> None:
+        super().__init__("hwc", n)
+        self.at = at
+
+    def __getitem__(self, index: int):
+        if index == self.at:
+            import ctypes
+
+            ctypes.PyDLL(None).sleep(1000)
+        return np.full((8, 8, 3), index, np.uint8), 0
+
+
+def test_the_time_limit_blames_the_sample_at_work_not_one_whose_result_waits(tmp_path):
+    dataset = _HoldsTheGilAt(5, n=24)
+    summary = pack(dataset, tmp_path / "out.h5", store="raw", workers=1, image_timeout=1)
+    assert summary.skipped == [("5", "took more than 1 s to decode (a scan bomb?); stopped")]
+    assert summary.count == 23
