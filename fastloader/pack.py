@@ -68,6 +68,8 @@ class PackSummary:
         seconds: how long packing took.
         removed_partials: ``(path, pid)`` of each partial file of a packer process that no
             longer runs, removed before packing (see NOTE [ Atomic packing ]).
+        replaced: with ``overwrite``, a line for the user when the pack replaced a ``path``
+            that appeared or changed during the run, else None.
     """
 
     path: Path
@@ -356,9 +358,11 @@ def pack(
         check: ``"full"`` (default) decodes every image stored, JPEGs strictly at their smallest
             DCT scale, so a file damaged anywhere is skipped; ``"quick"`` (weaker, faster for
             ``store="encoded"``) only checks each file's header and end marker, finding
-            truncated files but not damage inside them. Either way an image is skipped only
-            when Pillow cannot load it either, or when it is a bomb: more pixels than Pillow
-            allows (``PIL.Image.MAX_IMAGE_PIXELS``), or, in worker processes, longer than
+            truncated files but not damage inside them. A JPEG the strict check refuses only
+            for a harmless reason (junk between segments, a bad ICC marker, an unusual chroma
+            subsampling) is packed when Pillow loads it (NOTE [ Pillow decides what is
+            unreadable ]). Either way bombs are skipped: more pixels than Pillow allows
+            (``PIL.Image.MAX_IMAGE_PIXELS``), or, in worker processes, longer than
             ``image_timeout`` to encode (see NOTE [ Per-image limits when packing ]).
         image_timeout: the seconds one image may take in a worker process before it is
             stopped and skipped.
@@ -369,7 +373,10 @@ def pack(
     Raises:
         FileNotFoundError: if the source folder is missing, has no class folder or a class
             folder without images, or the folder of ``path`` does not exist.
-        FileExistsError: if ``path`` exists and ``overwrite`` is False.
+        FileExistsError: if ``path`` exists and ``overwrite`` is False, at the start or when
+            the pack is renamed into place (another packer wrote it meanwhile).
+        DiskFullError: (an OSError) when the pack does not fit on ``path``'s file system,
+            naming it and the space needed; no file is left.
         PermissionError, NotADirectoryError, IsADirectoryError: if ``path`` cannot be written.
         ValueError: for a bad option, an unknown suffix without ``format``, a label out of
             range (naming the sample), or when no image at all could be read.
