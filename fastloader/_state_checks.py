@@ -71,6 +71,8 @@ def _int(low: int, high: int, none: bool = False) -> Callable[[str, Any], None]:
         if isinstance(value, bool) or not isinstance(value, int):
             kind = "an int or None" if none else "an int"
             _fail(name, f"must be {kind}, got {_show(value)} ({type(value).__name__})")
+        if value < low == 0:
+            _fail(name, f"must be non-negative, got {_show(value)}")
         if not low <= value <= high:
             _fail(name, f"must be from {low} to {high}, got {_show(value)}")
 
