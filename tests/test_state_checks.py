@@ -100,7 +100,7 @@ _CRAFTED = [
     ("seed", 1.0, "seed must be an int"),
     ("epoch", -1, "epoch must be non-negative, got -1"),
     ("position", -8, "position must be non-negative"),
-    ("position", 40, "position .40. is past order.epoch_length .22."),
+    ("position", 40, r"position \(40\) is past the end of the epoch \(order.epoch_length 22\)"),
     ("position", "8", "position must be an int"),
     ("epoch_started", "yes", "epoch_started must be True or False"),
     ("epoch_complete", 0, "epoch_complete must be True or False"),
