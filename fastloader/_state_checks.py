@@ -173,7 +173,8 @@ def _check_consistency(state: dict[str, Any]) -> None:
     order = state["order"]
     length = order["epoch_length"]
     if length is not None and position > length:
-        _fail("position", f"({position}) is past the end of the epoch (order.epoch_length {length})")
+        end = f"the end of the epoch (order.epoch_length {length})"
+        _fail("position", f"({position}) is past {end}")
     world, rank = order["world_size"], order["rank"]
     if rank is not None and world is not None and rank >= world:
         _fail("order.rank", f"({rank}) must be below order.world_size ({world})")
