@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import queue
 import signal
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -30,38 +32,59 @@ _DEATHS = 2  # an item whose worker dies this many times is skipped
 # * pixels: the header is read first (fastloader/_image_limits.py) and an image over PIL's
 #   limit (Image.MAX_IMAGE_PIXELS, doubled as PIL does for its DecompressionBombError) is
 #   skipped before any decoder allocates, in every process, with any number of workers;
-# * time: a worker process encodes one chunk of items at a time and sends each result back as
-#   it is done, so the main process knows which item each worker is on and since when. An item
-#   running past the time limit (a progressive JPEG of 20 000 scans decodes for minutes in
-#   libjpeg, inside C code that no Python signal handler interrupts) gets its worker
-#   SIGKILLed: the item is skipped with the reason, a fresh worker takes the rest of the chunk;
+# * time: each worker writes the index of the item it starts into a shared integer, so the
+#   main process knows which item each worker is on and since when (results may wait in the
+#   worker while the main process writes, so they cannot tell). An item running past the
+#   time limit (a progressive JPEG of 20 000 scans decodes for minutes in libjpeg, inside C
+#   code that no Python signal handler interrupts) gets its worker SIGKILLed: the item is
+#   skipped with the reason, a fresh worker takes the worker's other items;
 # * a worker that dies (the OOM killer, a crash in a decoder) is replaced the same way and its
 #   item tried once more in a fresh worker, then skipped, naming the signal: a
 #   ProcessPoolExecutor would instead break for good (BrokenProcessPool) on the first death.
 # With workers=0 items are encoded in the packer's own process: the pixel limit holds, the
-# time limit cannot (nothing can stop libjpeg there), so the CLI and pack() use at least one
-# worker process for a full check unless told `--workers 0`.
-# Results are yielded in item order; at most `4 * workers` chunks are ahead of the writer, so
-# memory stays bounded however slow the writer is.
+# time limit cannot (nothing can stop libjpeg there); any workers >= 1 are processes.
+# Results are yielded in item order; each worker has at most two chunks queued (no idle gap
+# between chunks) and at most `4 * workers` chunks are ahead of the writer, so memory stays
+# bounded however slow the writer is. A retried item goes alone to an idle worker.
 
 
-def _serve(connection: Any, encoder: Callable[[Any], Encoded], parent: int) -> None:
-    """A worker process: encode the chunks received, sending back each result when done."""
+def _serve(connection: Any, encoder: Callable[[Any], Encoded], parent: int, current: Any) -> None:
+    """A worker process: encode the chunks received, sending back each result when done.
+
+    A thread sends the results, so the next image is decoded while the main process is busy
+    writing and the pipe is full (at most two chunks wait in this process).
+    """
     start_pool_worker(encoder, parent)
-    while True:
-        try:
-            chunk = connection.recv()
-        except (EOFError, OSError):
-            return
-        if chunk is None:
-            return
-        start, items = chunk
-        for offset, item in enumerate(items):
+    outbox: queue.Queue = queue.Queue(maxsize=2 * _CHUNK)
+    sender = threading.Thread(target=_send_all, args=(connection, outbox), daemon=True)
+    sender.start()
+    try:
+        while True:
             try:
-                message = ("done", start + offset, encode_one(item))
-            except BaseException as error:  # a sample of the wrong kind: the run fails, naming it
-                message = ("error", start + offset, _sendable(error))
+                chunk = connection.recv()
+            except (EOFError, OSError):
+                return
+            if chunk is None:
+                return
+            start, items = chunk
+            for offset, item in enumerate(items):
+                current.value = start + offset  # read by the main process, lock-free
+                try:
+                    message = ("done", start + offset, encode_one(item))
+                except BaseException as error:  # a sample of the wrong kind: the run fails
+                    message = ("error", start + offset, _sendable(error))
+                outbox.put(message)
+    finally:
+        outbox.put(None)
+        sender.join()
+
+
+def _send_all(connection: Any, outbox: queue.Queue) -> None:
+    while (message := outbox.get()) is not None:
+        try:
             connection.send(message)
+        except OSError:  # the main process stopped listening
+            return
 
 
 def _sendable(error: BaseException) -> BaseException:
@@ -77,9 +100,11 @@ def _sendable(error: BaseException) -> BaseException:
 class _Worker:
     def __init__(self, context: Any, encoder: Callable, parent: int) -> None:
         self.connection, child = context.Pipe()
+        self.current = context.RawValue("q", -1)  # the item the worker is encoding
+        self.seen = -1
         self.process = context.Process(
-            target=_serve, args=(child, encoder, parent), name="fastloader-pack", daemon=True
-        )
+            target=_serve, args=(child, encoder, parent, self.current), name="fastloader-pack"
+        )  # not daemonic: a dataset may start processes (the finally of the pool stops them)
         self.process.start()
         child.close()
         self.pending: deque[int] = deque()  # indices sent and not done, in order
@@ -88,8 +113,9 @@ class _Worker:
     def send(self, indices: list[int], items: Sequence) -> None:
         # consecutive indices go as one chunk; a retried item goes alone
         self.connection.send((indices[0], [items[index] for index in indices]))
+        if not self.pending:  # else the item at work keeps its start time
+            self.since = time.monotonic()
         self.pending.extend(indices)
-        self.since = time.monotonic()
 
     def kill(self) -> None:
         with contextlib.suppress(OSError):
@@ -143,8 +169,8 @@ def encode_in_workers(
         with frozen_heap():  # see NOTE [ Forking the packer's workers ]
             pool = [_Worker(context, encoder, parent) for _ in range(workers)]
         while next_out < len(items):
-            for worker in pool:  # give work to the idle
-                if worker.pending:
+            for worker in pool:  # at most two chunks per worker: no idle gap between them
+                if len(worker.pending) > size or (retry and worker.pending):
                     continue
                 if retry:
                     worker.send([retry.popleft()], items)
@@ -154,29 +180,32 @@ def encode_in_workers(
                     next_in = stop
             busy = [worker for worker in pool if worker.pending]
             waits = [w.connection for w in busy] + [w.process.sentinel for w in busy]
-            for ready in wait(waits, timeout=min(1.0, seconds)):
+            for ready in wait(waits, timeout=min(1.0, seconds)) if waits else ():
                 worker = next(w for w in busy if ready in (w.connection, w.process.sentinel))
                 if ready is worker.connection:
                     _receive(worker, results)
-            now = time.monotonic()
             for slot, worker in enumerate(pool):
-                late = worker.pending and now - worker.since > seconds
-                if worker.process.is_alive() and not late:
+                alive = worker.process.is_alive()
+                if worker.current.value != worker.seen:  # it started another item
+                    worker.seen, worker.since = worker.current.value, time.monotonic()
+                late = worker.pending and time.monotonic() - worker.since > seconds
+                if alive and not late:
                     continue
-                while worker.process.is_alive() is False and _receive(worker, results):
+                while _receive(worker, results):
                     pass  # results sent before it died
-                if not worker.pending and not worker.process.is_alive():
+                late = worker.pending and time.monotonic() - worker.since > seconds
+                if alive and not late:
+                    continue
+                if not worker.pending and not alive:
                     worker.kill()
                     pool[slot] = _Worker(context, encoder, parent)
                     continue
-                if late and worker.process.is_alive():
-                    worker.kill()
-                    index = worker.pending.popleft()
+                worker.kill()
+                index = _culprit(worker)
+                if late and alive:
                     reason = f"took more than {seconds:g} s to decode (a scan bomb?); stopped"
                     results[index] = _skip(items[index], reason)
-                elif worker.pending:
-                    worker.kill()
-                    index = worker.pending.popleft()
+                else:
                     deaths[index] = deaths.get(index, 0) + 1
                     if deaths[index] >= _DEATHS:
                         reason = f"its worker process died decoding it, {_DEATHS} times: "
@@ -201,6 +230,16 @@ def encode_in_workers(
                 worker.connection.close()
 
 
+def _culprit(worker: _Worker) -> int:
+    """The item ``worker`` was encoding when it was stopped or died, taken out of its pending
+    items (its results still in the worker are lost: the others are sent again)."""
+    index = worker.current.value
+    if index not in worker.pending:  # died before it started one
+        index = worker.pending[0]
+    worker.pending.remove(index)
+    return index
+
+
 def _receive(worker: _Worker, results: dict[int, Encoded]) -> bool:
     """Take one message from ``worker`` if there is one; False when there is none."""
     try:
@@ -212,7 +251,6 @@ def _receive(worker: _Worker, results: dict[int, Encoded]) -> bool:
     if kind == "error":
         raise value
     results[index] = value
-    if worker.pending and worker.pending[0] == index:
-        worker.pending.popleft()
-    worker.since = time.monotonic()
+    if index in worker.pending:
+        worker.pending.remove(index)
     return True

@@ -71,6 +71,8 @@ def _int(low: int, high: int, none: bool = False) -> Callable[[str, Any], None]:
         if isinstance(value, bool) or not isinstance(value, int):
             kind = "an int or None" if none else "an int"
             _fail(name, f"must be {kind}, got {_show(value)} ({type(value).__name__})")
+        if value < low == 0:
+            _fail(name, f"must be non-negative, got {_show(value)}")
         if not low <= value <= high:
             _fail(name, f"must be from {low} to {high}, got {_show(value)}")
 
@@ -171,7 +173,8 @@ def _check_consistency(state: dict[str, Any]) -> None:
     order = state["order"]
     length = order["epoch_length"]
     if length is not None and position > length:
-        _fail("position", f"({position}) is past order.epoch_length ({length})")
+        end = f"the end of the epoch (order.epoch_length {length})"
+        _fail("position", f"({position}) is past {end}")
     world, rank = order["world_size"], order["rank"]
     if rank is not None and world is not None and rank >= world:
         _fail("order.rank", f"({rank}) must be below order.world_size ({world})")

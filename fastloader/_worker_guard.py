@@ -3,11 +3,29 @@
 NOTE [ Workers die with their parent ]
 
 torch's workers notice a dead parent only between tasks, so a worker inside a long
-``dataset[i]`` outlives a SIGKILLed main process. On Linux each worker asks the kernel for
-SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``), then checks ``getppid()`` in case
-the parent died before the request. The kernel sends that signal when the *thread* that forked
-the worker exits, so it is used only when the worker was started from the main thread;
-otherwise, and on other systems, a daemon thread polls ``getppid()`` twice a second.
+``dataset[i]`` outlives a SIGKILLed main process. ``die_with_parent`` (``_parent_death.py``)
+covers each way a worker can be started, on Linux:
+
+* forked or spawned from the main process's main thread: the worker asks the kernel for
+  SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``), then checks ``getppid()`` in case
+  the parent died before the request. Nothing in the worker has to run: a worker stuck in C
+  code holding the GIL dies too.
+* forked or spawned from another thread: the kernel sends that signal when the *thread* that
+  forked the worker exits, which would kill persistent workers when an iterating thread ends.
+  So the worker forks a small watcher process instead, which waits on a pidfd of the main
+  process (``pidfd_open``; polling where there is none) and SIGKILLs the worker when it exits.
+  A thread in the worker could not do this: a ``__getitem__`` that holds the GIL (a C call
+  that does not release it) would never let it run.
+* started by a fork server (``forkserver``): the parent is the fork server, which exits only
+  when every holder of its "alive" pipe has closed it, and multiprocessing hands that pipe's
+  write end to every child it starts: the workers kept the server alive and the server kept
+  the workers alive. So each worker closes its copy first (a fork server used from inside a
+  worker starts its own), the fork server exits with the main process, the workers ask for the
+  parent-death signal (their parent being the server) and start a watcher on the main process
+  as well.
+
+The watcher itself asks for the parent-death signal, so it never outlives its worker. Other
+systems get a daemon thread in the worker that polls twice a second.
 
 NOTE [ Worker stacks on timeout ]
 

@@ -249,11 +249,14 @@ def _one_line(error: BaseException) -> str:
 def _expected_errors() -> tuple[type[BaseException], ...]:
     """Failures that get a one-line message and exit status 1, no traceback.
 
-    OSError covers the file errors: FileNotFoundError, FileExistsError, PermissionError, ...
+    OSError covers the file errors: FileNotFoundError, FileExistsError, PermissionError, ...;
+    lmdb.Error what LMDB raises for them (its errors are no OSError).
     """
+    import lmdb
+
     from fastloader.formats import PackError
 
-    return (PackError, ValueError, OSError)
+    return (PackError, ValueError, OSError, lmdb.Error)
 
 
 def _run_pack(args: argparse.Namespace, prog: str) -> int:

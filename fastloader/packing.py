@@ -26,16 +26,9 @@ from typing import Any, NamedTuple
 from tqdm import tqdm
 
 from fastloader._pack_fields import FieldsEncoder, infer_schema, is_fields_sample
+from fastloader._pack_output import file_identity, free_bytes, publish, storage_error
 from fastloader._pack_pool import IMAGE_SECONDS, encode_in_workers
-from fastloader._pack_process import (
-    file_identity,
-    free_bytes,
-    partial_path,
-    publish,
-    raise_if_signalled,
-    remove_stale_partials,
-    storage_error,
-)
+from fastloader._pack_process import partial_path, raise_if_signalled, remove_stale_partials
 from fastloader._pack_worker import (
     DatasetEncoder,
     Encoded,
@@ -76,6 +69,8 @@ class PackSummary:
         seconds: how long packing took.
         removed_partials: ``(path, pid)`` of each partial file of a packer process that no
             longer runs, removed before packing (see NOTE [ Atomic packing ]).
+        replaced: with ``overwrite``, a line for the user when the pack replaced a ``path``
+            that appeared or changed during the run, else None.
     """
 
     path: Path
@@ -338,12 +333,13 @@ def _default_workers() -> int:
 
 # NOTE [ Atomic packing ]
 # The writer writes a hidden temporary file beside the target, `.NAME.partial-PID@HOST`, in the
-# same folder so that the final rename is atomic within one file system (and never replaces a
-# DST that appeared meanwhile unless asked: NOTE [ Publishing the pack ] in _pack_process.py). The
-# rename happens only after the writer's close() succeeded and the file is synced; close()
-# writes the metadata last, so a temporary file left by a killed run never opens as a complete
-# pack. On any exception, KeyboardInterrupt and SIGTERM (via the CLI) included, the writer is
-# aborted and the temporary file is removed; an existing target is untouched until the rename.
+# same folder so that the final rename is atomic within one file system (and never replaces
+# a DST that appeared meanwhile unless asked: NOTE [ Publishing the pack ] in
+# _pack_output.py). The rename happens only after the writer's close() succeeded and the
+# file is synced; close() writes the metadata last, so a temporary file left by a killed run
+# never opens as a complete pack. On any exception, KeyboardInterrupt and SIGTERM (via the
+# CLI) included, the writer is aborted and the temporary file is removed (a full disk is named:
+# NOTE [ Disk full while packing ]); an existing target is untouched until the rename.
 # Only SIGKILL (or a power cut) leaves a partial file: each run first removes the partial files
 # for its DST whose packer process is dead: written on this host (the name says which; a
 # folder may be shared between hosts, whose pids mean nothing here) by a pid that no longer
@@ -406,9 +402,11 @@ def pack(
         check: ``"full"`` (default) decodes every image stored, JPEGs strictly at their smallest
             DCT scale, so a file damaged anywhere is skipped; ``"quick"`` (weaker, faster for
             ``store="encoded"``) only checks each file's header and end marker, finding
-            truncated files but not damage inside them. Either way an image is skipped only
-            when Pillow cannot load it either, or when it is a bomb: more pixels than Pillow
-            allows (``PIL.Image.MAX_IMAGE_PIXELS``), or, in worker processes, longer than
+            truncated files but not damage inside them. A JPEG the strict check refuses only
+            for a harmless reason (junk between segments, a bad ICC marker, an unusual chroma
+            subsampling) is packed when Pillow loads it (NOTE [ Pillow decides what is
+            unreadable ]). Either way bombs are skipped: more pixels than Pillow allows
+            (``PIL.Image.MAX_IMAGE_PIXELS``), or, in worker processes, longer than
             ``image_timeout`` to encode (see NOTE [ Per-image limits when packing ]).
         image_timeout: the seconds one image may take in a worker process before it is
             stopped and skipped.
@@ -424,7 +422,10 @@ def pack(
     Raises:
         FileNotFoundError: if the source folder is missing, has no class folder or a class
             folder without images, or the folder of ``path`` does not exist.
-        FileExistsError: if ``path`` exists and ``overwrite`` is False.
+        FileExistsError: if ``path`` exists and ``overwrite`` is False, at the start or when
+            the pack is renamed into place (another packer wrote it meanwhile).
+        DiskFullError: (an OSError) when the pack does not fit on ``path``'s file system,
+            naming it and the space needed; no file is left.
         PermissionError, NotADirectoryError, IsADirectoryError: if ``path`` cannot be written.
         ValueError: for a bad option, an unknown suffix without ``format``, a label out of
             range (naming the sample), or when no image at all could be read.

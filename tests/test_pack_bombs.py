@@ -73,6 +73,70 @@ def _scan_bomb(scans: int) -> bytes:
     return data[: ends[-1]] + last * scans + data[ends[-1] :]
 
 
+# The standard luminance Huffman tables (JPEG spec, annex K.3), used for every component.
+_DC_BITS = [0, 1, 5, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0]
+_AC_BITS = [0, 2, 1, 3, 3, 2, 4, 3, 5, 5, 4, 4, 0, 0, 1, 0x7D]
+_AC_VALUES = bytes.fromhex(
+    "01020300041105122131410613516107227114328191a1082342b1c11552d1f0243362728209"
+    "0a161718191a25262728292a3435363738393a434445464748494a535455565758595a636465"
+    "666768696a737475767778797a838485868788898a92939495969798999aa2a3a4a5a6a7a8a9"
+    "aab2b3b4b5b6b7b8b9bac2c3c4c5c6c7c8c9cad2d3d4d5d6d7d8d9dae1e2e3e4e5e6e7e8e9ea"
+    "f1f2f3f4f5f6f7f8f9fa"
+)
+
+
+def _huffman(bits: list[int], values: bytes) -> dict[int, tuple[int, int]]:
+    code, position, table = 0, 0, {}
+    for length, count in enumerate(bits, start=1):
+        for _ in range(count):
+            table[values[position]] = (code, length)
+            position += 1
+            code += 1
+        code <<= 1
+    return table
+
+
+def _flat_jpeg(width: int, height: int, factors: list[tuple[int, int]]) -> bytes:
+    """A valid baseline JPEG of one flat colour whose components have the given (h, v)
+    sampling factors: any of them, not only the subsamplings encoders offer."""
+    dc, ac = _huffman(_DC_BITS, bytes(range(12))), _huffman(_AC_BITS, _AC_VALUES)
+    levels = [100, -50, 80][: len(factors)]  # DC values (quantiser 1)
+    out = bytearray(b"\xff\xd8\xff\xdb\x00\x43\x00" + bytes([1] * 64))
+    frame = bytes([8]) + height.to_bytes(2, "big") + width.to_bytes(2, "big")
+    frame += bytes([len(factors)])
+    frame += b"".join(bytes([i + 1, h << 4 | v, 0]) for i, (h, v) in enumerate(factors))
+    out += b"\xff\xc0" + (len(frame) + 2).to_bytes(2, "big") + frame
+    tables = bytes([0x00, *_DC_BITS, *range(12), 0x10, *_AC_BITS]) + _AC_VALUES
+    out += b"\xff\xc4" + (len(tables) + 2).to_bytes(2, "big") + tables
+    scan = bytes([len(factors)]) + b"".join(bytes([i + 1, 0]) for i in range(len(factors)))
+    scan += bytes([0, 63, 0])
+    out += b"\xff\xda" + (len(scan) + 2).to_bytes(2, "big") + scan
+    h_max, v_max = max(h for h, _ in factors), max(v for _, v in factors)
+    mcus = -(-width // (8 * h_max)) * -(-height // (8 * v_max))
+    bits: list[int] = []
+    for mcu in range(mcus):
+        for component, (h, v) in enumerate(factors):
+            for block in range(h * v):
+                first = mcu == 0 and block == 0
+                size = abs(levels[component]).bit_length() if first else 0
+                code, length = dc[size]
+                bits += [(code >> b) & 1 for b in range(length - 1, -1, -1)]
+                if size:
+                    value = (
+                        levels[component]
+                        if levels[component] > 0
+                        else levels[component] + (1 << size) - 1
+                    )
+                    bits += [(value >> b) & 1 for b in range(size - 1, -1, -1)]
+                code, length = ac[0x00]  # end of block: no AC coefficient
+                bits += [(code >> b) & 1 for b in range(length - 1, -1, -1)]
+    bits += [1] * (-len(bits) % 8)
+    for start in range(0, len(bits), 8):
+        byte = int("".join(map(str, bits[start : start + 8])), 2)
+        out += bytes([byte, 0]) if byte == 0xFF else bytes([byte])
+    return bytes(out + b"\xff\xd9")
+
+
 def _insert_before(data: bytes, marker: bytes, junk: bytes) -> bytes:
     at = data.index(marker)
     return data[:at] + junk + data[at:]
@@ -108,8 +172,11 @@ def _pillow_loads(data: bytes) -> bool:
 @pytest.mark.parametrize("bomb", [_jpeg_bomb, _png_bomb])
 def test_pixel_limit_is_pillows_and_follows_it(bomb, monkeypatch):
     data = bomb()
-    with pytest.raises(Image.DecompressionBombError):
+    with pytest.raises(Image.DecompressionBombError) as pillows:
+        Image.open(io.BytesIO(data))
+    with pytest.raises(Image.DecompressionBombError) as ours:
         check_pixels(data)
+    assert str(ours.value) == str(pillows.value)
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)  # the user lifted it
     check_pixels(data)
     small = _jpeg(64, 48)
@@ -171,7 +238,11 @@ def scan_bomb_folder(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize(
     ("workers", "options"),
-    [("1", []), ("2", []), ("2", ["--store", "raw", "--check", "quick"])],
+    [
+        ("2", []),
+        pytest.param("1", [], marks=pytest.mark.slow),
+        pytest.param("2", ["--store", "raw", "--check", "quick"], marks=pytest.mark.slow),
+    ],
 )
 def test_a_scan_bomb_is_stopped_at_the_time_limit_and_skipped(
     scan_bomb_folder, tmp_path, workers, options
@@ -211,20 +282,69 @@ class _KillsAt(ImageDataset):
 # --- Pillow decides -----------------------------------------------------------------------
 
 
+def test_flat_jpeg_fixture_is_what_libjpeg_and_pillow_decode():
+    plain = _flat_jpeg(48, 32, [(1, 1), (1, 1), (1, 1)])
+    odd = _flat_jpeg(48, 32, [(1, 2), (2, 1), (1, 1)])
+    with Image.open(io.BytesIO(plain)) as image:
+        expected = np.asarray(image.convert("RGB"))
+    assert (expected == expected[0, 0]).all() and check_pixels(plain) is None
+    with Image.open(io.BytesIO(odd)) as image:
+        assert np.array_equal(np.asarray(image.convert("RGB")), expected)
+
+
 def test_jpegs_pillow_loads_despite_a_libjpeg_warning_are_packed(tmp_path):
     good = _jpeg(seed=3)
     files = {
         "junk-before-a-marker.jpg": _insert_before(good, b"\xff\xdb", b"\x12\x34\x56"),
         "padding-before-the-end.jpg": good[:-2] + b"\x00" * 16 + good[-2:],
         "bad-icc-marker.jpg": _bad_icc(good),
+        "subsampled-1x2-2x1-1x1.jpg": _flat_jpeg(48, 32, [(1, 2), (2, 1), (1, 1)]),
+        "subsampled-3x1-1x1-1x1.jpg": _flat_jpeg(48, 32, [(3, 1), (1, 1), (1, 1)]),
         "damaged-scan-data.jpg": _damaged_scan(good),
     }
-    assert [_pillow_loads(data) for data in files.values()] == [True, True, True, False]
+    loads = [_pillow_loads(data) for data in files.values()]
+    assert loads == [True, True, True, True, True, False]
     source = tmp_path / "src"
     (source / "a").mkdir(parents=True)
     for name, data in files.items():
         (source / "a" / name).write_bytes(data)
     for store in ("encoded", "raw"):
         summary = pack(source, tmp_path / f"{store}.lmdb", store=store, workers=0)
-        assert summary.count == 3
+        assert summary.count == 5
         assert [Path(where).name for where, _ in summary.skipped] == ["damaged-scan-data.jpg"]
+
+
+def test_a_slow_writer_never_makes_a_quick_image_late():
+    """Results wait in the pipe while the writer is busy: that time is not the image's."""
+    from fastloader._pack_pool import encode_in_workers
+    from fastloader._pack_worker import DatasetEncoder, Options
+
+    encoder = DatasetEncoder(ImageDataset("hwc", 4), Options("raw", 90, None), 2)
+    results = []
+    for result in encode_in_workers(encoder, range(4), 2, "fork", seconds=0.3):
+        results.append(result)
+        time.sleep(0.5)  # a writer slower than the limit
+    assert [result.reason for result in results] == [None] * 4
+
+
+class _HoldsTheGilAt(ImageDataset):
+    """Sample ``at`` never returns and holds the GIL meanwhile (a C call through PyDLL), so
+    results of the samples before it cannot leave its worker."""
+
+    def __init__(self, at: int, n: int) -> None:
+        super().__init__("hwc", n)
+        self.at = at
+
+    def __getitem__(self, index: int):
+        if index == self.at:
+            import ctypes
+
+            ctypes.PyDLL(None).sleep(1000)
+        return np.full((8, 8, 3), index, np.uint8), 0
+
+
+def test_the_time_limit_blames_the_sample_at_work_not_one_whose_result_waits(tmp_path):
+    dataset = _HoldsTheGilAt(5, n=24)
+    summary = pack(dataset, tmp_path / "out.h5", store="raw", workers=1, image_timeout=1)
+    assert summary.skipped == [("5", "took more than 1 s to decode (a scan bomb?); stopped")]
+    assert summary.count == 23

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fastloader import _pack_process, open_pack
+from fastloader import _pack_output, open_pack
 from fastloader.cli import main
 from fastloader.packing import pack
 
@@ -104,7 +104,7 @@ def test_overwrite_replaces_a_dst_that_appeared_during_the_run_and_says_so(
     source = _folder(tmp_path / "src", 4)
     target = tmp_path / "out.lmdb"
     pack(_folder(tmp_path / "other", 2), target, workers=0)
-    opened = _pack_process.publish
+    opened = _pack_output.publish
 
     def publish_after_another_run(partial, dst, overwrite, seen):
         target.unlink()  # another run rewrites DST meanwhile
@@ -131,21 +131,21 @@ def test_overwrite_of_an_unchanged_dst_says_nothing(tmp_path, capsys):
 @pytest.mark.parametrize("fallback", ["link", "flock"])
 def test_no_replace_fallbacks_refuse_an_existing_dst(tmp_path, monkeypatch, fallback):
     """Where renameat2 is missing (old libc, some file systems), or hard links too."""
-    monkeypatch.setattr(_pack_process, "_renameat2", lambda source, target: False)
+    monkeypatch.setattr(_pack_output, "_renameat2", lambda source, target: False)
     if fallback == "flock":
 
         def no_links(source, target):
             raise OSError(errno.EPERM, "Operation not permitted")
 
-        monkeypatch.setattr(_pack_process.os, "link", no_links)
+        monkeypatch.setattr(_pack_output.os, "link", no_links)
     partial, target = tmp_path / ".x.partial", tmp_path / "x"
     partial.write_bytes(b"new")
     target.write_bytes(b"old")
     with pytest.raises(FileExistsError):
-        _pack_process.rename_noreplace(partial, target)
+        _pack_output.rename_noreplace(partial, target)
     assert target.read_bytes() == b"old" and partial.exists()
     target.unlink()
-    _pack_process.rename_noreplace(partial, target)
+    _pack_output.rename_noreplace(partial, target)
     assert target.read_bytes() == b"new" and not partial.exists()
 
 
@@ -156,9 +156,9 @@ def test_renameat2_refuses_to_replace(tmp_path):
     partial.write_bytes(b"new")
     target.write_bytes(b"old")
     with pytest.raises(FileExistsError):
-        _pack_process._renameat2(partial, target)
+        _pack_output._renameat2(partial, target)
     target.unlink()
-    assert _pack_process._renameat2(partial, target) is True
+    assert _pack_output._renameat2(partial, target) is True
     assert target.read_bytes() == b"new"
 
 
@@ -246,4 +246,4 @@ def test_a_file_size_limit_is_one_line_and_leaves_no_file(tmp_path):
 
 def test_a_real_io_error_with_room_to_spare_is_not_called_a_full_disk(tmp_path):
     error = OSError(errno.EIO, "Input/output error")
-    assert _pack_process.storage_error(error, tmp_path / "x.lmdb", 10, 1, 5, None) is None
+    assert _pack_output.storage_error(error, tmp_path / "x.lmdb", 10, 1, 5, None) is None
