@@ -208,6 +208,21 @@ class ReadAdvice:
         except (OSError, ValueError):
             pass
 
+    def willneed_pages(self, file: Any, pages: Iterable[int], size: int) -> None:
+        """Advise ``MADV_WILLNEED`` on whole pages of ``file`` (``size`` bytes each, at
+        ``page * size``), when this map gets WILLNEED at all: an index's pages (LMDB's leaves),
+        asked for together before they are walked one at a time."""
+        if not (_HAS_MADVISE and self.bigger_than_memory and self.willneed):
+            return
+        if self.willneed_paused:
+            return
+        spans = [(page * size, size) for page in pages]
+        try:
+            for start, length in page_ranges(spans, len(file)):
+                _madvise(file, mmap.MADV_WILLNEED, start, length)
+        except (OSError, ValueError):
+            pass
+
     def _willneed_now(self) -> bool:
         faults = _thread_major_faults()
         missed = faults is None or self._faults is None or faults > self._faults
