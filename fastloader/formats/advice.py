@@ -22,9 +22,12 @@ pack replaced. Two pieces of advice fix it, both decided per process from the in
    at once, so the disk sees a deep queue instead of one fault at a time, and the faults that
    follow wait on reads already in flight. The kernel caps one WILLNEED call at its read-ahead
    size (``max(io_pages, ra_pages)`` pages), so ranges are advised in chunks of at most
-   ``_CHUNK`` bytes (the smallest usual read-ahead).
+   ``_CHUNK`` bytes (the smallest usual read-ahead). LMDB finds a record through its B-tree
+   leaf, walked one page at a time: the first time a branch page is walked, all its children
+   are asked for together (``willneed_pages``), else a first pass over small records waits for
+   one leaf read per sample.
 
-Neither applies to a pack that fits in the page cache with room to spare (up to half the
+None of it applies to a pack that fits in the page cache with room to spare (up to half the
 memory available to this process's page cache: ``memory_for_cache``, cgroup limits included):
 there the read-ahead window's other records stay cached until they are read, so the kernel's
 large reads are the fastest way through a cold pack, and a warm one needs no advice.
