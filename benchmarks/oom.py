@@ -56,11 +56,13 @@ from PIL import Image
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset
 
+from benchmarks._cold import evict, memory_cgroup, read_ahead_path
 from benchmarks._photos import source_photos
 from fastloader._io_probe import sum_counters
 from fastloader.samplers import BlockShuffleSampler
 
 SHAPE = (256, 341, 3)  # ImageNet at short side 256: 262 KB of pixels
+ENCODED_TIMES = 4  # JPEGs are ~10x smaller: 4x as many make the encoded pack bigger than memory
 CROP = 224
 BATCH = 64
 WORKERS = 2
@@ -71,7 +73,6 @@ SIZES = {
     "full": (2.0, 1536, 3),
 }
 MIB = 1024 * 1024
-_CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 
 
 # --- data -------------------------------------------------------------------------------------
@@ -98,13 +99,13 @@ def _jpeg(pixels: np.ndarray) -> bytes:
 
 
 def make_data(workdir: Path, count: int, hdf5: bool) -> dict[str, Path]:
-    """Write ``count`` samples as .npy files, JPEG files, a raw and an encoded LMDB pack (and a
-    raw HDF5 pack); reused when already complete."""
+    """Write ``count`` samples as .npy files and a raw LMDB pack (and a raw HDF5 pack), and
+    ``ENCODED_TIMES * count`` as JPEG files and an encoded LMDB pack; reused when complete."""
     from fastloader.formats.hdf5 import HDF5Writer
     from fastloader.formats.lmdb import LMDBWriter
     from fastloader.formats.records import RecordKind, encode_record
 
-    root = workdir / f"oom-{count}"
+    root = workdir / f"oom-{count}-{ENCODED_TIMES}"
     paths = {
         "npy": root / "npy",
         "jpeg": root / "jpeg",
@@ -128,50 +129,23 @@ def make_data(workdir: Path, count: int, hdf5: bool) -> dict[str, Path]:
     ]
     if hdf5:
         writers.append(("raw", HDF5Writer(paths["raw_hdf5"], store="raw", classes=classes)))
-    for index in range(count):
+    for index in range(ENCODED_TIMES * count):
         label = index % 10
-        pixels = _pixels(bases, index)
         jpeg = jpegs[index % len(jpegs)]
-        np.save(paths["npy"] / f"{index:07d}.npy", pixels)
         (paths["jpeg"] / f"{index:07d}.jpg").write_bytes(jpeg)
-        records = {
-            "raw": encode_record(pixels, label, RecordKind.RAW),
-            "encoded": encode_record(jpeg, label, RecordKind.ENCODED),
-        }
+        records = {"encoded": encode_record(jpeg, label, RecordKind.ENCODED)}
+        if index < count:
+            pixels = _pixels(bases, index)
+            np.save(paths["npy"] / f"{index:07d}.npy", pixels)
+            records["raw"] = encode_record(pixels, label, RecordKind.RAW)
         for kind, writer in writers:
-            writer.append(records[kind], label)
+            if kind in records:
+                writer.append(records[kind], label)
     for _, writer in writers:
         writer.close()
     os.sync()  # dirty pages cannot be evicted: written back first
     done.write_text(str(count))
     return paths
-
-
-def data_files(path: Path) -> list[Path]:
-    """The files under ``path`` (itself if a file)."""
-    return sorted(path.iterdir()) if path.is_dir() else [path]
-
-
-def evict(paths: Sequence[Path]) -> None:
-    """Drop the files' clean pages from the page cache (``posix_fadvise(DONTNEED)``)."""
-    for path in paths:
-        for file in data_files(path):
-            with contextlib.suppress(OSError):
-                fd = os.open(file, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
-
-
-def read_ahead_path(path: Path) -> Path | None:
-    """The ``read_ahead_kb`` file of the block device holding ``path``, if there is one."""
-    dev = os.stat(path).st_dev
-    block = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
-    for candidate in (block / "queue" / "read_ahead_kb", block / ".." / "queue" / "read_ahead_kb"):
-        if candidate.exists():
-            return candidate
-    return None
 
 
 # --- readers ----------------------------------------------------------------------------------
@@ -258,10 +232,12 @@ class Row:
         loader: Callable[[Dataset, Sequence[int]], Any],
         sequential: bool = False,
         blocks: bool = False,
+        encoded: bool = False,
     ) -> None:
         self.name, self.files, self.make, self.loader = name, files, make, loader
         self.sequential = sequential
         self.blocks = blocks  # the order of fastloader's BlockShuffleSampler (64 x 8)
+        self.encoded = encoded  # reads the ENCODED_TIMES larger JPEG data
         self.rates: list[float] = []
         self.read_per_sample: list[float] = []
 
@@ -289,37 +265,6 @@ def measure(row: Row, order: Sequence[int]) -> tuple[float, float | None]:
     return samples / seconds, None if read is None else read / total
 
 
-@contextlib.contextmanager
-def memory_cgroup(limit_bytes: int | None) -> Iterator[str | None]:
-    """Run the body (and the workers it forks) in a cgroup-v1 memory cgroup of ``limit_bytes``;
-    yields a description, or None where it cannot (no root, no v1 memory controller)."""
-    parent = _CGROUP_ROOT / "cgroup.procs"
-    if not limit_bytes or not (parent.exists() and os.access(parent, os.W_OK)):
-        yield None
-        return
-    group = _CGROUP_ROOT / f"fastloader-oom-{os.getpid()}"
-    try:
-        group.mkdir()
-        (group / "memory.limit_in_bytes").write_text(str(limit_bytes))
-        (group / "cgroup.procs").write_text(str(os.getpid()))
-    except OSError:
-        with contextlib.suppress(OSError):
-            group.rmdir()
-        yield None
-        return
-    try:
-        yield f"memory cgroup v1, limit {limit_bytes / MIB:.0f} MiB"
-    finally:
-        with contextlib.suppress(OSError):
-            parent.write_text(str(os.getpid()))
-        for _ in range(50):  # the group empties once the workers are reaped
-            try:
-                group.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
-
-
 def _rows(paths: dict[str, Path]) -> list[Row]:
     raw, encoded = paths["raw"], paths["encoded"]
     rows = [
@@ -330,13 +275,20 @@ def _rows(paths: dict[str, Path]) -> list[Row]:
         Row(
             "LMDB raw pack, block shuffle", raw, lambda: _pack(raw, True), _fast_loader, blocks=True
         ),
-        Row("torch, JPEG files", paths["jpeg"], lambda: JpegFiles(paths["jpeg"]), _torch_loader),
-        Row("LMDB encoded pack", encoded, lambda: _pack(encoded, True), _fast_loader),
+        Row(
+            "torch, JPEG files",
+            paths["jpeg"],
+            lambda: JpegFiles(paths["jpeg"]),
+            _torch_loader,
+            encoded=True,
+        ),
+        Row("LMDB encoded pack", encoded, lambda: _pack(encoded, True), _fast_loader, encoded=True),
         Row(
             "LMDB encoded pack, no read advice",
             encoded,
             lambda: _pack(encoded, False),
             _fast_loader,
+            encoded=True,
         ),
     ]
     if "raw_hdf5" in paths:
@@ -378,7 +330,7 @@ def run(
     rounds = rounds or default_rounds
     workdir.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(workdir).free
-    needed = int(count * np.prod(SHAPE) * (3 if hdf5 else 2) * 1.1)
+    needed = int(count * np.prod(SHAPE) * (3.5 if hdf5 else 2.5) * 1.1)
     if free < needed + (1 << 30):
         return {
             "comparison": "oom",
@@ -400,12 +352,13 @@ def run(
     with memory_cgroup(limit) as cgroup:
         for round_ in range(rounds):
             random_order = rng.choice(count, samples, replace=False).tolist()
+            encoded_order = rng.choice(ENCODED_TIMES * count, samples, replace=False).tolist()
             start = int(rng.integers(0, count - samples + 1))
             sequential_order = list(range(start, start + samples))
             block_sampler = BlockShuffleSampler(range(count), seed=round_)
             block_order = block_sampler.epoch_order()[:samples].tolist()
             for row in rows:
-                order = random_order
+                order = encoded_order if row.encoded else random_order
                 if row.sequential or row.blocks:
                     order = sequential_order if row.sequential else block_order
                 rate, read = measure(row, order)

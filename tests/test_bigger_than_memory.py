@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import struct
 import subprocess
 import sys
 
@@ -63,7 +64,7 @@ def madvise_calls(monkeypatch, small_memory):
 
 
 def _record_spans(pack, positions):
-    file, spans = pack._record_spans(pack._handle_here(), positions)
+    file, spans = pack._record_spans(pack._handle_here(), positions, ReadAdvice())
     return file, list(spans)
 
 
@@ -91,6 +92,20 @@ def _merged(ranges):
         else:
             merged.append([start, length])
     return merged
+
+
+def test_lmdb_leaves_are_asked_for_together(tmp_path, madvise_calls):
+    path = tmp_path / "pack.lmdb"
+    _write(path, "lmdb", 600)  # overflow records: ~150 leaf nodes a page, under one branch
+    pack = LMDBDataset(path, decode="numpy")
+    data, psize = path.read_bytes(), 4096
+    headers = [struct.unpack_from("<QHH", data, page * psize) for page in range(len(data) // psize)]
+    leaves = [page for page, (pgno, _, flags) in enumerate(headers) if (pgno, flags) == (page, 2)]
+    assert len(leaves) >= 3
+    pack.__getitems__(np.random.default_rng(4).permutation(600)[:64].tolist())
+    willneed = [call[1:] for call in madvise_calls if call[0] == mmap.MADV_WILLNEED]
+    for leaf in leaves:  # each leaf was asked for, whether or not this batch reads it
+        assert any(s <= leaf * psize < s + n for s, n in willneed)
 
 
 def test_sequential_reading_keeps_read_ahead(pack, madvise_calls):

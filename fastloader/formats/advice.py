@@ -22,9 +22,12 @@ pack replaced. Two pieces of advice fix it, both decided per process from the in
    at once, so the disk sees a deep queue instead of one fault at a time, and the faults that
    follow wait on reads already in flight. The kernel caps one WILLNEED call at its read-ahead
    size (``max(io_pages, ra_pages)`` pages), so ranges are advised in chunks of at most
-   ``_CHUNK`` bytes (the smallest usual read-ahead).
+   ``_CHUNK`` bytes (the smallest usual read-ahead). LMDB finds a record through its B-tree
+   leaf, walked one page at a time: the first time a branch page is walked, all its children
+   are asked for together (``willneed_pages``), else a first pass over small records waits for
+   one leaf read per sample.
 
-Neither applies to a pack that fits in the page cache with room to spare (up to half the
+None of it applies to a pack that fits in the page cache with room to spare (up to half the
 memory available to this process's page cache: ``memory_for_cache``, cgroup limits included):
 there the read-ahead window's other records stay cached until they are read, so the kernel's
 large reads are the fastest way through a cold pack, and a warm one needs no advice.
@@ -205,6 +208,21 @@ class ReadAdvice:
                 for start, length in page_ranges(spans, len(file)):
                     _madvise(file, mmap.MADV_WILLNEED, start, length)
                 self._count_cached(before, _thread_read_bytes())
+        except (OSError, ValueError):
+            pass
+
+    def willneed_pages(self, file: Any, pages: Iterable[int], size: int) -> None:
+        """Advise ``MADV_WILLNEED`` on whole pages of ``file`` (``size`` bytes each, at
+        ``page * size``), when this map gets WILLNEED at all: an index's pages (LMDB's leaves),
+        asked for together before they are walked one at a time."""
+        if not (_HAS_MADVISE and self.bigger_than_memory and self.willneed):
+            return
+        if self.willneed_paused:
+            return
+        spans = [(page * size, size) for page in pages]
+        try:
+            for start, length in page_ranges(spans, len(file)):
+                _madvise(file, mmap.MADV_WILLNEED, start, length)
         except (OSError, ValueError):
             pass
 

@@ -177,7 +177,7 @@ class HDF5Pack(PackFile):
         return handle.maps["sources"][start:end].tobytes()
 
     def _record_spans(
-        self, handle: _Handle, positions: Sequence[int]
+        self, handle: _Handle, positions: Sequence[int], advice: Any
     ) -> tuple[mmap.mmap, Any] | None:
         # For read advice (formats/advice.py): the records' spans in the map numpy made of the
         # records block, which starts ``base`` bytes into that map (an aligned offset).

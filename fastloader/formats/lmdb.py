@@ -18,6 +18,7 @@ from typing import NamedTuple
 import lmdb
 import numpy as np
 
+from fastloader.formats.advice import ReadAdvice
 from fastloader.formats.lmdb_checks import (
     LeafDamaged,
     RecordSpans,
@@ -253,12 +254,14 @@ class LMDBPack(PackFile):
             return bytes(blob[start:end])
 
     def _record_spans(
-        self, handle: _Env, positions: Sequence[int]
+        self, handle: _Env, positions: Sequence[int], advice: ReadAdvice
     ) -> tuple[mmap.mmap, Iterator[tuple[int, int]]]:
         # For read advice (formats/advice.py): the records' spans in our own map, as read below.
         # Lazy: finding a span may fault in its leaf page, which must come after the map's
-        # MADV_RANDOM (NOTE [ Read advice for packs bigger than memory ]).
+        # MADV_RANDOM (NOTE [ Read advice for packs bigger than memory ]). A branch page walked
+        # for the first time has its children (the leaves) asked for at once.
         spans = self._spans(handle)
+        spans.prefetch = lambda pages: advice.willneed_pages(handle.file, pages, handle.psize)
 
         def found() -> Iterator[tuple[int, int]]:
             for index in positions:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -152,6 +153,10 @@ class RecordSpans:
         self._parsed: set[int] = set()  # leaf pages already cached
         self._sorted_branches: dict[int, bool] = {}
         self._out_of_sequence: set[int] = set()  # leaf pages whose record keys skip or repeat
+        # Called with the child page numbers of each branch page the first time it is walked
+        # (read advice asks for them at once: NOTE [ Read advice for packs bigger than memory ]).
+        self.prefetch: Callable[[list[int]], None] | None = None
+        self._branches_seen: set[int] = set()
 
     def span(self, index: int) -> tuple[int, int] | bool | None:
         """(offset, size) of record ``index`` (stored under ``record_key(index)``) in the file.
@@ -166,7 +171,8 @@ class RecordSpans:
             return False
         if entry:
             return (entry & _OFFSET_MASK) - 1, entry >> _OFFSET_BITS
-        found = _find_in_leaf(self._file, self._psize, self._root, record_key(index))
+        on_branch = self._on_branch if self.prefetch is not None else None
+        found = _find_in_leaf(self._file, self._psize, self._root, record_key(index), on_branch)
         if found is None or found is False:
             return found
         base = found.page[1]
@@ -179,6 +185,22 @@ class RecordSpans:
             )
         span = _value_span(found.page, found.node)
         return False if span is None else span
+
+    def _on_branch(self, page: tuple) -> None:
+        if page[1] in self._branches_seen or self.prefetch is None:
+            return
+        self._branches_seen.add(page[1])
+        pages = len(self._file) // self._psize
+        children = []
+        for i in range(len(page[2])):
+            try:
+                _, lo, hi, flags, _ = _node(page, i)
+            except ValueError:
+                continue
+            child = lo | hi << 16 | flags << 32
+            if child < pages:
+                children.append(child)
+        self.prefetch(children)
 
     def _parse_leaf(self, found: _Found) -> None:
         # Once per leaf page: see NOTE [ Record spans ] and NOTE [ Leaves parsed with NumPy ].
@@ -346,10 +368,14 @@ class _Found(NamedTuple):
 
 
 def _find_in_leaf(
-    file: bytes | memoryview, psize: int, root: int, key: bytes
+    file: bytes | memoryview,
+    psize: int,
+    root: int,
+    key: bytes,
+    on_branch: Callable[[tuple], None] | None = None,
 ) -> _Found | bool | None:
     """Walk to the leaf that holds ``key``: a ``_Found``, False if the walk leaves the file,
-    None if ``key`` is not in the tree."""
+    None if ``key`` is not in the tree. ``on_branch(page)`` is called at each branch page."""
     if root == _P_INVALID:  # an empty database
         return None
     pages = len(file) // psize
@@ -370,6 +396,8 @@ def _find_in_leaf(
         page = (file, base, offsets, lower, psize)
         try:
             if flags & _P_BRANCH:
+                if on_branch is not None:
+                    on_branch(page)
                 low, high = 1, count - 1  # the last node whose key <= key (node 0: -inf)
                 chosen = 0
                 while low <= high:

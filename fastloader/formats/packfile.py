@@ -142,9 +142,11 @@ class PackFile:
     def _close_handle(self, handle: Any) -> None:
         handle.close()
 
-    def _record_spans(self, handle: Any, positions: Sequence[int]) -> tuple[Any, Any] | None:
+    def _record_spans(
+        self, handle: Any, positions: Sequence[int], advice: ReadAdvice
+    ) -> tuple[Any, Any] | None:
         """``(mmap, spans)``: the map records are read from and each record's (offset in it,
-        length), for read advice; None where the backend reads no such map."""
+        length), for ``advice``; None where the backend reads no such map."""
         return None
 
     # --- reading -------------------------------------------------------------------------------
@@ -196,7 +198,7 @@ class PackFile:
         if current is None or current[0] is not handle:  # a new handle maps the file anew
             current = (handle, ReadAdvice())
             self._advice = current
-        target = self._record_spans(handle, positions)
+        target = self._record_spans(handle, positions, current[1])
         if target is not None:
             current[1].before_read(target[0], positions, target[1])
 
