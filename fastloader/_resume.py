@@ -47,8 +47,9 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from fastloader._state_checks import validate_state as check_state_fields
 from fastloader.distributed import ElasticDistributedSampler
-from fastloader.samplers import EpochShuffleSampler
+from fastloader.samplers import BlockShuffleSampler, EpochShuffleSampler
 
 STATE_VERSION = 2
 
@@ -129,6 +130,13 @@ def describe_order(loader: Any) -> dict[str, Any]:
             epoch_length=sampler.dataset_length,
             world_size=sampler.num_replicas,
             step=sampler.global_batch,
+            sampler_seed=sampler.seed,
+        )
+    elif isinstance(sampler, BlockShuffleSampler):
+        description.update(
+            sampler=f"blocks {sampler.block_size}x{sampler.window}",
+            shuffle=True,
+            replacement=False,
             sampler_seed=sampler.seed,
         )
     elif isinstance(sampler, EpochShuffleSampler):
@@ -213,6 +221,7 @@ def validate_state(state: Any) -> None:
     Raises:
         ValueError: naming the malformed field, or for an unknown version.
     """
+    check_state_fields(state)  # every field's type, range and size first (_state_checks.py)
     if not isinstance(state, dict) or "fastloader_state_version" not in state:
         raise ValueError(
             "load_state_dict expects a dict made by fastloader.DataLoader.state_dict()"

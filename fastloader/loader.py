@@ -17,6 +17,7 @@ from fastloader._iterators import SingleProcessIter, WorkerPoolIter
 from fastloader._resume import build_state, resume_point
 from fastloader.distributed import ElasticDistributedSampler
 from fastloader.samplers import (
+    BlockShuffleSampler,
     EpochShuffleSampler,
     RecordedSetEpoch,
     record_set_epoch,
@@ -267,9 +268,11 @@ class DataLoader(TorchDataLoader[T_co]):
     def close(self) -> None:
         """Stop the worker processes. The loader can still be iterated (workers restart)."""
         pool, self._pool = self._pool, None
-        self._iterator = None
+        iterator, self._iterator = self._iterator, None
         if pool is not None:
             pool.shutdown()
+        if iterator is not pool and hasattr(iterator, "shutdown"):
+            iterator.shutdown()  # a non-persistent epoch's workers
 
     def __enter__(self) -> DataLoader:
         return self
@@ -320,6 +323,8 @@ class DataLoader(TorchDataLoader[T_co]):
         for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
             if isinstance(sampler, (EpochShuffleSampler, ElasticDistributedSampler)):
                 sampler.seed = order_seed
+            elif isinstance(sampler, BlockShuffleSampler) and recorded_seed is not None:
+                sampler.seed = recorded_seed
             elif isinstance(sampler, DistributedSampler) and recorded_seed is not None:
                 sampler.seed = recorded_seed
 

@@ -155,9 +155,6 @@ _COLLECTED_IN_A_FORK = textwrap.dedent(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="needs the _iterators.py/loader.py edits described in the i19b report", strict=False
-)
 def test_an_iterator_collected_in_a_forked_child_prints_nothing():
     process = subprocess.run(
         [sys.executable, "-c", _COLLECTED_IN_A_FORK], capture_output=True, text=True, timeout=60

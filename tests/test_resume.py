@@ -358,3 +358,25 @@ def test_version_2_state_without_in_order_is_read_as_in_order():
     resumed = _loader(0)
     resumed.load_state_dict(state)
     assert len([values for values, _ in resumed]) == 5
+
+
+def test_a_block_shuffle_resumes_with_its_seed_and_refuses_other_blocks():
+    from fastloader.samplers import BlockShuffleSampler
+
+    data = list(range(100))
+
+    def loader(seed: int = 3, block_size: int = 8) -> DataLoader:
+        sampler = BlockShuffleSampler(data, seed, block_size=block_size, window=4)
+        return DataLoader(data, batch_size=5, sampler=sampler)
+
+    first = loader()
+    iterator = iter(first)
+    for _ in range(3):
+        next(iterator)
+    state = first.state_dict()
+    rest = [batch.tolist() for batch in iterator]
+    resumed = loader(seed=99)  # the state's seed wins
+    resumed.load_state_dict(state)
+    assert [batch.tolist() for batch in resumed] == rest
+    with pytest.raises(ValueError, match="blocks 8x4.*blocks 16x4"):
+        loader(block_size=16).load_state_dict(state)

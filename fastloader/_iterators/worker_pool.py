@@ -299,8 +299,14 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
         return False, None
 
     def _shutdown_workers(self) -> None:
-        if "_shutdown" in self.__dict__:  # not when __init__ failed before starting workers
-            super()._shutdown_workers()
+        if "_shutdown" not in self.__dict__:  # __init__ failed before starting workers
+            return
+        if getattr(self, "_parent_pid", os.getpid()) != os.getpid():
+            self._shutdown = (
+                True  # a copy collected in a forked child: the workers are the parent's
+            )
+            return
+        super()._shutdown_workers()
 
     def shutdown(self) -> None:
         """Stop the worker processes now."""
