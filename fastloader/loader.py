@@ -232,7 +232,8 @@ class DataLoader(TorchDataLoader[T_co]):
         with torch.random.fork_rng(devices=[]):
             source = self._epoch_source(epoch, skip)
         self._iterator = source
-        self.stats.watch_workers(self.num_workers, getattr(source, "busy_seconds", None))
+        pids = source.worker_pids if self.num_workers else [os.getpid()]
+        self.stats.watch_workers(self.num_workers, getattr(source, "busy_seconds", None), pids)
         self.stats.iter_done(epoch_length(self, skip))  # time in iter() is a wait for data
         return source
 

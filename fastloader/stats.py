@@ -44,12 +44,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from fastloader._batch_size import batch_size
+from fastloader._io_probe import io_verdict, sum_counters
 
 __all__ = [
     "BUSY_WORKERS",
@@ -85,6 +86,8 @@ class EpochStats:
         device_wait_s: the part of ``wait_s`` after the first batch spent on the device copy.
         workers: worker processes loading the epoch (0: the training process loads); None
             when unknown (``timed_iter``).
+        io_note: set when the loading processes read from storage rather than the page cache
+            (``_io_probe.io_verdict``): input-bound on I/O, with what to do.
         worker_busy_s: seconds the workers spent loading samples during the epoch, summed over
             workers (None when they do not report it).
     """
@@ -102,9 +105,12 @@ class EpochStats:
     device_wait_s: float = 0.0
     workers: int | None = None
     worker_busy_s: float | None = None
+    io_note: str | None = None
     _started_at: float = dataclasses.field(default_factory=time.perf_counter, repr=False)
     _busy: Any = dataclasses.field(default=None, repr=False)  # workers' shared array, running
     _busy_at_start: float = dataclasses.field(default=0.0, repr=False)
+    _pids: tuple = dataclasses.field(default=(), repr=False)  # who loads: for _io_probe
+    _io_before: Any = dataclasses.field(default=None, repr=False)
     _ended_at: float | None = dataclasses.field(default=None, repr=False)
 
     @property
@@ -183,6 +189,8 @@ class EpochStats:
         busy = self.worker_busy_fraction
         if not self.input_bound:
             return "the loader keeps up: the model is the bottleneck, not data loading"
+        if self.io_note is not None:
+            return self.io_note  # the data does not fit in memory (see _io_probe.py)
         parts = {
             "start": self.start_wait_s,
             "device": self.device_wait_s,
@@ -316,18 +324,22 @@ class LoaderStats:
         self._last_handout = None
         self._expected = None
 
-    def watch_workers(self, workers: int, busy: Any = None) -> None:
+    def watch_workers(self, workers: int, busy: Any = None, pids: Sequence[int] = ()) -> None:
         """The current epoch is loaded by ``workers`` processes (0: the training process).
 
         Args:
             workers: how many worker processes load the epoch.
             busy: a shared array of the seconds each worker has spent loading (growing), or
                 None if the workers do not report it.
+            pids: the processes that load (for the bytes they read from storage, so that the
+                diagnosis can tell a pack bigger than memory: ``_io_probe.py``).
         """
         stats = self._ensure_epoch()
         stats.workers = workers
         stats._busy = busy
         stats._busy_at_start = float(sum(busy)) if busy is not None else 0.0
+        stats._pids = tuple(pids)
+        stats._io_before = sum_counters(stats._pids) if stats._pids else None
 
     def iter_done(self, batches: int | None = None) -> None:
         """``iter(loader)`` returned: the time since ``start_epoch`` was a wait for data.
@@ -455,6 +467,10 @@ class LoaderStats:
         return stats
 
     def _finish(self, stats: EpochStats, end: float, complete: bool) -> None:
+        if stats._io_before is not None and stats.batches:
+            delta = sum_counters(stats._pids) - stats._io_before
+            wall = end - stats._started_at
+            stats.io_note = io_verdict(delta, stats.samples, wall, len(stats._pids))
         stats.worker_busy_s = stats._busy_s()
         stats._busy = None
         stats._ended_at = end

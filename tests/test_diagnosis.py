@@ -2,6 +2,7 @@
 summary names the next step its numbers support."""
 
 import csv
+import os
 import time
 
 import pytest
@@ -220,3 +221,24 @@ def test_lightning_callback_logs_the_wait_fraction_every_epoch(tmp_path):
     assert [int(row["epoch"]) for row in rows] == [0, 1]
     assert all(0.0 <= float(row["data/wait_fraction"]) <= 1.0 for row in rows)
     assert all(0.0 <= float(row["data/worker_busy"]) <= 1.0 for row in rows)
+
+
+def test_loading_that_reads_from_storage_is_named_input_bound_on_io():
+    """The summary tells a pack bigger than memory from slow decoding (see _io_probe.py)."""
+    from fastloader._io_probe import IOCounters, sum_counters
+    from fastloader.stats import LoaderStats
+
+    stats = LoaderStats()
+    stats.start_epoch(0)
+    stats.watch_workers(2, None, pids=[os.getpid()])
+    now = sum_counters([os.getpid()])
+    if now.read_bytes is None:
+        pytest.skip("/proc/<pid>/io is not readable here")
+    # as if the loading processes had read 300 KB per sample from storage, CPU mostly idle
+    stats._current._io_before = IOCounters(now.read_bytes - 100 * 300_000, 0, now.cpu_seconds)
+    stats.iter_done()
+    time.sleep(0.05)
+    stats.record_batch(0.05, torch.zeros(100, 1))
+    stats.end_epoch()
+    summary = stats.last.summary()
+    assert "input-bound on I/O" in summary and "does not fit in memory" in summary, summary
