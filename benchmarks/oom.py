@@ -345,7 +345,8 @@ def run(
     rng = np.random.default_rng(0)
     data_bytes = count * int(np.prod(SHAPE))
     # half the data, so the raw pack is bigger than memory (its read advice needs the pack to
-    # be more than half of what the page cache may hold: NOTE [ Read advice ... ])
+    # be more than half of what the page cache may hold:
+    # NOTE [ Read advice for packs bigger than memory ])
     limit = cgroup_mb * MIB if cgroup_mb else max(data_bytes // 2, 384 * MIB)
     if data_bytes < 400e6:
         limit = 0  # too small for the workers' own memory in a cgroup of half its size

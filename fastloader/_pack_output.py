@@ -179,8 +179,8 @@ def _file_system(folder: Path) -> str:
 def storage_error(
     error: BaseException, target: Path, written: int, records: int, total: int, free: int | None
 ) -> DiskFullError | None:
-    """The one-line error for a pack that ran out of disk (see NOTE [ Disk full ... ]), or None
-    when ``error`` is something else.
+    """The one-line error for a pack that ran out of disk, or None when ``error`` is something
+    else. See NOTE [ Disk full while packing ].
 
     Args:
         error: what the writer raised.

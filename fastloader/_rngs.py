@@ -77,6 +77,7 @@ _PY_MT_OFFSET = object.__basicsize__  # the object header; the struct follows it
 
 
 def _python_raw() -> bytes:
+    # see NOTE [ Python's random state without getstate ]
     return ctypes.string_at(id(_python_rng) + _PY_MT_OFFSET, _PY_MT_BYTES)
 
 

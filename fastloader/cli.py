@@ -32,9 +32,10 @@ from typing import Any
 # lmdb come in with the library module a command calls (fastloader.pack for packing,
 # fastloader.formats for --info and --verify), inside the function that runs that command; and
 # those import no torch either (NOTE [ Torch-free pack files ] in formats/__init__.py), unless a
-# dataset is packed. fastloader's __init__ is lazy for the same reason (see NOTE [ Lazy public
-# API ]). The choices below repeat fastloader.formats.FORMATS / STORE_MODES (tests/test_cli.py
-# checks they agree). benchmarks/cli_startup.py measures the commands' start-up.
+# dataset is packed. fastloader's __init__ is lazy for the same reason (see
+# NOTE [ Lazy public API ] in __init__.py). The choices below repeat fastloader.formats.FORMATS /
+# STORE_MODES (tests/test_cli.py checks they agree). benchmarks/cli_startup.py measures the
+# commands' start-up.
 
 # NOTE [ Fast exit ]
 # Once torch is imported, the interpreter's final garbage collections walk its millions of

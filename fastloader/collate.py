@@ -42,8 +42,8 @@ class RaggedFieldError(RuntimeError):
 def default_collate(batch: Sequence[Any]) -> Any:
     """torch's ``default_collate``, with an error naming ragged fields and their shapes.
 
-    The same result as torch's; dict samples of NumPy arrays are stacked faster (NOTE
-    [ Stacking NumPy fields ]).
+    The same result as torch's; dict samples of NumPy arrays are stacked faster (see
+    NOTE [ Stacking NumPy fields ]).
 
     Raises:
         RaggedFieldError: when a field's arrays differ in shape across the batch.

@@ -103,7 +103,9 @@ CHECKS = ("full", "quick")
 
 
 def check_jpeg(data: bytes) -> None:
-    """Raise OSError if libjpeg finds anything wrong in a JPEG (NOTE [ Checking images ... ]).
+    """Raise OSError if libjpeg finds anything wrong in a JPEG.
+
+    See NOTE [ Checking images when packing ].
 
     Bombs are refused from the header first (NOTE [ Decompression bombs ]).
 

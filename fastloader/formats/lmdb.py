@@ -128,7 +128,8 @@ class _Environments:
 
 def _open_environment(path: Path, identity: tuple[int, int, int, int]) -> _Env:
     size = identity[2]
-    psize, root = check_lmdb_file(path, size)  # NOTE [ LMDB values checked ... ], step 1
+    # step 1 of NOTE [ LMDB values checked against the file ]
+    psize, root = check_lmdb_file(path, size)
     try:
         env = lmdb.open(
             str(path),
@@ -181,7 +182,8 @@ class LMDBPack(PackFile):
         _environments.release(handle)
 
     def _get(self, handle: _Env, txn: lmdb.Transaction, key: bytes, what: str) -> memoryview | None:
-        """``txn.get(key)``, checked to lie inside the file (NOTE [ LMDB values ... ], step 3)."""
+        """``txn.get(key)``, checked to lie inside the file (step 3 of
+        NOTE [ LMDB values checked against the file ])."""
         inside = value_lies_in_file(handle.file, handle.psize, handle.root, key)  # step 3
         if inside is None:
             return None

@@ -1,4 +1,6 @@
-"""What LMDB trusts, checked before LMDB is let near a file (NOTE [ LMDB values checked ... ]).
+"""What LMDB trusts, checked before LMDB is let near a file.
+
+See NOTE [ LMDB values checked against the file ] in lmdb.py.
 
 LMDB reads its two meta pages, picks the one with the higher transaction id, and from then on
 follows page numbers and sizes without checking them against the file. Here the meta pages are

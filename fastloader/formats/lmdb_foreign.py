@@ -12,7 +12,7 @@ file before py-lmdb opens it, the map is no larger than the file, and each value
 the B-tree is walked in our own map and checked to lie in the file before py-lmdb is asked for
 it (NOTE [ LMDB values checked against the file ] in lmdb.py, the same code). The keys are
 listed once, at construction, into one byte string and an offsets array (no Python list of
-keys: NOTE [ No copy-on-write growth ] in DESIGN.md).
+keys: "No copy-on-write growth" in the design).
 """
 
 from __future__ import annotations

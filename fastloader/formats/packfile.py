@@ -395,6 +395,7 @@ class PackWriter:
 
     def metadata_json(self, arrays: dict[str, np.ndarray]) -> bytes:
         """The metadata, as JSON, of the records appended so far and of ``arrays``."""
+        # NOTE [ Metadata checksums ] in metadata.py
         checksums = {name: array_checksum(data) for name, data in arrays.items()}
         return dump_metadata(
             make_metadata(
