@@ -55,6 +55,14 @@ def test_train_folder_from_a_pack(tmp_path: Path) -> None:
     assert (tmp_path / "train.lmdb").exists() and "epoch 1: loss" in out
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["in-place", "packed"])
+def test_train_pose_reads_an_hdf5_file_in_place_and_packed(tmp_path: Path, packed: bool) -> None:
+    args = ["--device", "cpu"] + (["--pack", "pose.lmdb"] if packed else [])
+    out = _run(_example("train_pose.py", *args), tmp_path)
+    assert "epoch 0: loss" in out and "epoch 1: loss" in out
+    assert (tmp_path / "pose.lmdb").exists() == packed
+
+
 @pytest.mark.slow
 @pytest.mark.lightning
 @pytest.mark.parametrize("packed", [False, True], ids=["datamodule", "packed"])
