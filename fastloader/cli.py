@@ -173,17 +173,20 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
         )
     if args.quality is not None and args.store != "jpeg":
         parser.error("--quality applies to --store jpeg")
-    if args.quality is not None and not 1 <= args.quality <= 100:
-        parser.error("--quality must be from 1 to 100")
-    for flag, value in (("--max-side", args.max_side), ("--short-side", args.short_side)):
-        if value is not None and args.store == "encoded":
-            parser.error(f"{flag} applies to --store raw or jpeg (encoded keeps the files)")
-        if value is not None and value < 1:
-            parser.error(f"{flag} must be a positive number of pixels")
-    if args.workers is not None and args.workers < 0:
-        parser.error("--workers must be 0 or more")
-    if args.image_timeout is not None and not args.image_timeout > 0:
-        parser.error("--image-timeout must be a positive number of seconds")
+    from fastloader.packing import check_options  # the library's checks (no torch)
+
+    try:
+        given = {"quality": args.quality, "image_timeout": args.image_timeout}
+        check_options(
+            args.store,
+            max_side=args.max_side,
+            short_side=args.short_side,
+            format=args.format,
+            workers=args.workers,
+            **{name: value for name, value in given.items() if value is not None},
+        )
+    except ValueError as error:  # in the flags' words: "--short-side must be ..."
+        parser.error("--" + str(error).replace("_", "-"))
     if (args.fields or args.image_field) and (args.src is None or os.path.isdir(args.src)):
         parser.error("--fields and --image-field apply to an HDF5 file SRC")
     return args

@@ -278,9 +278,20 @@ def _picklable(value: Any) -> bool:
     return True
 
 
-def _check_options(
-    store: str, quality: int, max_side: int | None, short_side: int | None, format: str | None
+def check_options(
+    store: str = "encoded",
+    quality: int = 90,
+    max_side: int | None = None,
+    short_side: int | None = None,
+    format: str | None = None,
+    workers: int | None = None,
+    image_timeout: float = IMAGE_SECONDS,
 ) -> None:
+    """Check ``pack``'s options before any work (``fastloader-pack`` checks its flags with it).
+
+    Raises:
+        ValueError: naming the first option that is out of range or does not fit the others.
+    """
     if store not in STORE_MODES:
         raise ValueError(f"store must be one of {', '.join(STORE_MODES)}, got {store!r}")
     if format is not None and format not in FORMATS:
@@ -292,6 +303,10 @@ def _check_options(
             raise ValueError(f"{name} needs store='raw' or 'jpeg' (encoded keeps the files)")
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if workers is not None and workers < 0:
+        raise ValueError(f"workers must be >= 0, got {workers}")
+    if not isinstance(image_timeout, (int, float)) or not image_timeout > 0:
+        raise ValueError(f"image_timeout must be a positive number, got {image_timeout!r}")
 
 
 def _target_format(target: Path, format: str | None, source: Any) -> str:
@@ -435,11 +450,7 @@ def pack(
             naming its index and the field.
     """
     started = time.perf_counter()
-    _check_options(store, quality, max_side, short_side, format)
-    if workers is not None and workers < 0:
-        raise ValueError(f"workers must be >= 0, got {workers}")
-    if not isinstance(image_timeout, (int, float)) or not image_timeout > 0:
-        raise ValueError(f"image_timeout must be a positive number, got {image_timeout!r}")
+    check_options(store, quality, max_side, short_side, format, workers, image_timeout)
     target = Path(os.path.expanduser(os.fspath(path)))
     format = _target_format(target, format, source)
     _check_target(target, overwrite)
