@@ -419,7 +419,11 @@ def _one_thread_in_workers() -> None:
     if _threads_set_in != pid:
         _threads_set_in = pid
         if get_worker_info() is not None:
-            cv2.setNumThreads(1)
+            # 0, not 1: "run sequentially". setNumThreads(1) tears down the thread pool the
+            # child inherited from a parent that used it (our own blur/warp with
+            # num_workers=0, or the user's OpenCV calls) and deadlocks on its condition
+            # variables; 0 does not.
+            cv2.setNumThreads(0)
 
 
 def _pillow_geometry(
