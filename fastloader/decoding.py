@@ -345,11 +345,13 @@ def _apply_geometry(
 # (more past the 1/8 scale). Rounding that box to whole scaled pixels moves it by up to half a
 # scaled pixel (4 source pixels at 1/8), and ``INTER_LINEAR`` does not smooth: on 41 large
 # photos (>= 1000 px short side) that gave a median 40.8 dB PSNR against torchvision's pixels,
-# 10th percentile 33. Here the box is mapped exactly (``cv2.warpAffine`` with the sub-pixel
-# affine map, Pillow's pixel-centre convention) after a Gaussian blur whose variance tops the
-# interpolation's own up to the triangle's ((f^2 - 1) / 6 per axis): 46.9 dB median, 38.0 at
-# the 10th percentile; Pillow's ``resize(box=)`` on the same scaled decode scores 48.3 / 38.7
-# at three times the resize cost. Full-scale decodes (the small photos' random crops) keep the
+# 10th percentile 32.8 (random-resized crops). Here the box is mapped exactly
+# (``cv2.warpAffine`` with the sub-pixel affine map, Pillow's pixel-centre convention) after a
+# Gaussian blur whose variance tops the interpolation's own up to the triangle's
+# ((f^2 - 1) / 6 per axis): 47.7 dB median, 39.1 at the 10th percentile (Resize + CenterCrop:
+# 46.6 / 37.1), for ~0.4 ms more per image than ``cv2.resize`` (the decodes take 4-200 ms);
+# Pillow's ``resize(box=)`` on the same scaled decode scores about 1 dB more at three times the
+# resample's cost. Full-scale decodes (the small photos' random crops) keep the
 # cheaper rounded ``cv2.resize``. Figures: benchmarks/results/fused_quality.md.
 
 
@@ -364,16 +366,16 @@ def _resample_exact(
     box_x, box_y = geometry.left * scale_x, geometry.top * scale_y
     shrink_x = geometry.width * scale_x / geometry.out_width
     shrink_y = geometry.height * scale_y / geometry.out_height
-    margin = 4  # the blur's and the interpolation's reach past the box
+    sigma_x = math.sqrt(max(shrink_x * shrink_x - 1.0, 0.0) / 6.0)
+    sigma_y = math.sqrt(max(shrink_y * shrink_y - 1.0, 0.0) / 6.0)
+    kernel = (_kernel_size(sigma_x), _kernel_size(sigma_y))
+    margin = 2 + max(kernel) // 2  # the blur's and the interpolation's reach past the box
     x0 = min(max(math.floor(box_x) - margin, 0), pixels.shape[1] - 1)
     y0 = min(max(math.floor(box_y) - margin, 0), pixels.shape[0] - 1)
     x1 = max(min(math.ceil(box_x + geometry.width * scale_x) + margin, pixels.shape[1]), x0 + 1)
     y1 = max(min(math.ceil(box_y + geometry.height * scale_y) + margin, pixels.shape[0]), y0 + 1)
     region = pixels[y0:y1, x0:x1]
-    sigma_x = math.sqrt(max(shrink_x * shrink_x - 1.0, 0.0) / 6.0)
-    sigma_y = math.sqrt(max(shrink_y * shrink_y - 1.0, 0.0) / 6.0)
-    if sigma_x > 0.15 or sigma_y > 0.15:
-        kernel = (_kernel_size(sigma_x), _kernel_size(sigma_y))
+    if kernel != (1, 1):
         region = cv2.GaussianBlur(
             region,
             kernel,
@@ -417,7 +419,11 @@ def _one_thread_in_workers() -> None:
     if _threads_set_in != pid:
         _threads_set_in = pid
         if get_worker_info() is not None:
-            cv2.setNumThreads(1)
+            # 0, not 1: "run sequentially". setNumThreads(1) tears down the thread pool the
+            # child inherited from a parent that used it (our own blur/warp with
+            # num_workers=0, or the user's OpenCV calls) and deadlocks on its condition
+            # variables; 0 does not.
+            cv2.setNumThreads(0)
 
 
 def _pillow_geometry(

@@ -317,3 +317,14 @@ def test_jpeg_helpers_need_no_decoder_for_the_scan_count():
     assert images.count_jpeg_scans(view) == images.count_jpeg_scans(data)
     assert images.count_jpeg_scans(data, stop_after=2) == 3
     images.check_jpeg_scans(b"not a jpeg at all")
+
+
+def test_scan_data_fuzz_finds_no_difference_from_torch(tmp_path):
+    from benchmarks import fuzz
+
+    rng = np.random.default_rng(1)
+    photos = fuzz.scan_photos()
+    for trial in range(4):
+        path = tmp_path / f"{trial}.jpg"
+        path.write_bytes(fuzz.damage_scan_data(photos[trial % 2], rng))
+        assert fuzz.judge_scan_damage(str(path)) == "same as torch"
