@@ -157,72 +157,116 @@ def encode_in_workers(
     Raises:
         Exception: what the encoder raised for an item (a sample of the wrong kind), at once.
     """
-    context = multiprocessing.get_context(start_method)
-    size = max(1, min(_CHUNK, len(items) // (workers * 4)))
-    parent = os.getpid()
-    pool: list[_Worker] = []
-    results: dict[int, Encoded] = {}
-    retry: deque[int] = deque()
-    deaths: dict[int, int] = {}
-    next_in = next_out = 0
+    pool = _Pool(encoder, items, workers, start_method, seconds)
     try:
         with frozen_heap():  # see NOTE [ Forking the packer's workers ]
-            pool = [_Worker(context, encoder, parent) for _ in range(workers)]
-        while next_out < len(items):
-            for worker in pool:  # at most two chunks per worker: no idle gap between them
-                if len(worker.pending) > size or (retry and worker.pending):
-                    continue
-                if retry:
-                    worker.send([retry.popleft()], items)
-                elif next_in < len(items) and next_in < next_out + 4 * workers * size:
-                    stop = min(next_in + size, len(items))
-                    worker.send(list(range(next_in, stop)), items)
-                    next_in = stop
-            busy = [worker for worker in pool if worker.pending]
-            waits = [w.connection for w in busy] + [w.process.sentinel for w in busy]
-            for ready in wait(waits, timeout=min(1.0, seconds)) if waits else ():
-                worker = next(w for w in busy if ready in (w.connection, w.process.sentinel))
-                if ready is worker.connection:
-                    _receive(worker, results)
-            for slot, worker in enumerate(pool):
-                alive = worker.process.is_alive()
-                if worker.current.value != worker.seen:  # it started another item
-                    worker.seen, worker.since = worker.current.value, time.monotonic()
-                late = worker.pending and time.monotonic() - worker.since > seconds
-                if alive and not late:
-                    continue
-                while _receive(worker, results):
-                    pass  # results sent before it died
-                late = worker.pending and time.monotonic() - worker.since > seconds
-                if alive and not late:
-                    continue
-                if not worker.pending and not alive:
-                    worker.kill()
-                    pool[slot] = _Worker(context, encoder, parent)
-                    continue
-                worker.kill()
-                index = _culprit(worker)
-                if late and alive:
-                    reason = f"took more than {seconds:g} s to decode (a scan bomb?); stopped"
-                    results[index] = _skip(items[index], reason)
-                else:
-                    deaths[index] = deaths.get(index, 0) + 1
-                    if deaths[index] >= _DEATHS:
-                        reason = f"its worker process died decoding it, {_DEATHS} times: "
-                        results[index] = _skip(items[index], reason + _death(worker.process))
-                    else:
-                        retry.appendleft(index)
-                retry.extend(worker.pending)
-                worker.pending.clear()
-                pool[slot] = _Worker(context, encoder, parent)
-            while next_out in results:
-                yield results.pop(next_out)
-                next_out += 1
+            pool.start()
+        while pool.next_out < len(items):
+            pool.feed()
+            pool.collect()
+            pool.supervise()
+            yield from pool.in_order()
     finally:
-        for worker in pool:
+        pool.stop()
+
+
+class _Pool:
+    """The main-process side of the packer's workers: feeding, collecting, supervising."""
+
+    def __init__(
+        self, encoder: Callable, items: Sequence, workers: int, start_method: str, seconds: float
+    ) -> None:
+        self.context = multiprocessing.get_context(start_method)
+        self.encoder, self.items, self.seconds = encoder, items, seconds
+        self.workers = workers
+        self.size = max(1, min(_CHUNK, len(items) // (workers * 4)))
+        self.parent = os.getpid()
+        self.pool: list[_Worker] = []
+        self.results: dict[int, Encoded] = {}
+        self.retry: deque[int] = deque()
+        self.deaths: dict[int, int] = {}
+        self.next_in = self.next_out = 0
+
+    def _new_worker(self) -> _Worker:
+        return _Worker(self.context, self.encoder, self.parent)
+
+    def start(self) -> None:
+        self.pool = [self._new_worker() for _ in range(self.workers)]
+
+    def feed(self) -> None:
+        """At most two chunks per worker (no idle gap between them); retried items alone."""
+        size, items = self.size, self.items
+        ahead = self.next_out + 4 * self.workers * size  # bounds the memory in flight
+        for worker in self.pool:
+            if len(worker.pending) > size or (self.retry and worker.pending):
+                continue
+            if self.retry:
+                worker.send([self.retry.popleft()], items)
+            elif self.next_in < min(len(items), ahead):
+                stop = min(self.next_in + size, len(items))
+                worker.send(list(range(self.next_in, stop)), items)
+                self.next_in = stop
+
+    def collect(self) -> None:
+        """Wait (up to a second) for results or deaths; take the results that came."""
+        busy = [worker for worker in self.pool if worker.pending]
+        waits = [w.connection for w in busy] + [w.process.sentinel for w in busy]
+        for ready in wait(waits, timeout=min(1.0, self.seconds)) if waits else ():
+            worker = next(w for w in busy if ready in (w.connection, w.process.sentinel))
+            if ready is worker.connection:
+                _receive(worker, self.results)
+
+    def _late(self, worker: _Worker) -> bool:
+        return bool(worker.pending) and time.monotonic() - worker.since > self.seconds
+
+    def supervise(self) -> None:
+        """Replace workers that died or overran the time limit (NOTE [ Per-image limits when
+        packing ])."""
+        for slot, worker in enumerate(self.pool):
+            alive = worker.process.is_alive()
+            if worker.current.value != worker.seen:  # it started another item
+                worker.seen, worker.since = worker.current.value, time.monotonic()
+            if alive and not self._late(worker):
+                continue
+            while _receive(worker, self.results):
+                pass  # results sent before it died
+            if alive and not self._late(worker):
+                continue
+            self._replace(slot, worker, alive)
+
+    def _replace(self, slot: int, worker: _Worker, alive: bool) -> None:
+        late = self._late(worker)
+        worker.kill()
+        if worker.pending:
+            index = _culprit(worker)
+            if late and alive:
+                reason = f"took more than {self.seconds:g} s to decode (a scan bomb?); stopped"
+                self.results[index] = _skip(self.items[index], reason)
+            else:
+                self._blame(index, worker)
+            self.retry.extend(worker.pending)
+            worker.pending.clear()
+        self.pool[slot] = self._new_worker()
+
+    def _blame(self, index: int, worker: _Worker) -> None:
+        self.deaths[index] = self.deaths.get(index, 0) + 1
+        if self.deaths[index] >= _DEATHS:
+            reason = f"its worker process died decoding it, {_DEATHS} times: "
+            self.results[index] = _skip(self.items[index], reason + _death(worker.process))
+        else:
+            self.retry.appendleft(index)
+
+    def in_order(self) -> Iterator[Encoded]:
+        """The results that are next in order."""
+        while self.next_out in self.results:
+            yield self.results.pop(self.next_out)
+            self.next_out += 1
+
+    def stop(self) -> None:
+        for worker in self.pool:
             with contextlib.suppress(OSError, ValueError):
                 worker.connection.send(None)
-        for worker in pool:
+        for worker in self.pool:
             worker.process.join(timeout=0 if worker.pending else 5)
             if worker.process.is_alive():
                 worker.kill()

@@ -187,18 +187,23 @@ def test_pixel_limit_is_pillows_and_follows_it(bomb, monkeypatch):
 
 
 _BOUNDED_CLI = """
-import resource, sys
+import os, resource, sys
 limit = int(sys.argv.pop(1))
 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+if os.environ.get("NO_SCAN_CAP"):  # reach the time limit (forked workers inherit it)
+    import fastloader.images
+    fastloader.images.MAX_JPEG_SCANS = None
 from fastloader.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
 
-def _run_cli(args: list[str], memory: int = 3 << 30, timeout: float = 120):
+def _run_cli(args: list[str], memory: int = 3 << 30, timeout: float = 120, scan_cap: bool = True):
     started = time.monotonic()
+    env = dict(os.environ) if scan_cap else {**os.environ, "NO_SCAN_CAP": "1"}
     process = subprocess.run(
         [sys.executable, "-c", _BOUNDED_CLI, str(memory), *args],
+        env=env,
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -249,12 +254,21 @@ def test_a_scan_bomb_is_stopped_at_the_time_limit_and_skipped(
 ):
     target = tmp_path / "out.h5"
     args = [str(scan_bomb_folder), str(target), "--workers", workers, "--image-timeout", "2"]
-    process, seconds = _run_cli(args + options)
+    process, seconds = _run_cli(args + options, scan_cap=False)  # the time limit's own test
     assert process.returncode == 0, process.stderr
     (line,) = [line for line in process.stderr.splitlines() if "skipped" in line]
     assert "scan-bomb.jpg: took more than 2 s to decode" in line
     assert len(open_pack(target)) == 3
     assert seconds < 60  # stopped, not decoded for minutes (a bound far above the limit)
+
+
+def test_a_scan_bomb_is_refused_by_its_scan_count_before_decoding(scan_bomb_folder, tmp_path):
+    target = tmp_path / "out.h5"
+    process, _ = _run_cli([str(scan_bomb_folder), str(target), "--workers", "1"])
+    assert process.returncode == 0, process.stderr
+    (line,) = [line for line in process.stderr.splitlines() if "skipped" in line]
+    assert "scan-bomb.jpg: progressive JPEG with more than 500 scans" in line
+    assert len(open_pack(target)) == 3
 
 
 def test_an_image_that_kills_its_worker_is_retried_then_skipped(tmp_path):
