@@ -142,6 +142,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         help="for an HDF5 SRC: a uint8 (N,H,W[,C]) dataset to store as images (with --store; "
         "repeat for several)",
     )
+    parser.add_argument(
+        "--shuffle-seed",
+        type=int,
+        metavar="N",
+        help="write the samples in an order shuffled by seed N (for BlockShuffleSampler on slow "
+        "storage) instead of ImageFolder's",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     parser.add_argument(
         "--strict", action="store_true", help="fail on the first unreadable image (else skip it)"
@@ -272,6 +279,8 @@ def _run_pack(args: argparse.Namespace, prog: str) -> int:
             extra = {} if args.check is None else {"check": args.check}
             if args.image_timeout is not None:
                 extra["image_timeout"] = args.image_timeout
+            if args.shuffle_seed is not None:
+                extra["shuffle_seed"] = args.shuffle_seed
             source, schema = _source(args)
             if schema is not None:
                 extra["schema"] = schema

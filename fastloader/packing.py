@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 from tqdm import tqdm
 
 from fastloader._pack_fields import FieldsEncoder, infer_schema, is_fields_sample
@@ -236,6 +237,20 @@ def _fields_job(dataset: Any, options: Options, classes: Any, schema: Any) -> _J
     return _Job(encoder, range(len(dataset)), str, [], source, parallel, schema=schema)
 
 
+def _shuffled(job: _Job, seed: int) -> _Job:
+    """``job`` with its items in the order ``default_rng(seed).permutation`` draws."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"shuffle_seed must be a non-negative int, got {seed!r}")
+    order = np.random.default_rng(seed).permutation(len(job.items)).tolist()
+    items = [job.items[index] for index in order]
+    relative = job.relative
+    return job._replace(
+        items=items,
+        name=lambda i: job.name(order[i]),
+        relative=None if relative is None else (lambda i: relative(order[i])),
+    )
+
+
 def _is_hdf5_file(source: str | os.PathLike) -> bool:
     path = os.path.expanduser(os.fspath(source))
     if not os.path.isfile(path):
@@ -380,6 +395,7 @@ def pack(
     check: str = "full",
     image_timeout: float = IMAGE_SECONDS,
     schema: dict | None = None,
+    shuffle_seed: int | None = None,
 ) -> PackSummary:
     """Pack an image folder or a map-style dataset into one LMDB or HDF5 file.
 
@@ -410,6 +426,11 @@ def pack(
             checked, in this process; 0 encodes in this process (without ``image_timeout``),
             as does a dataset that cannot be pickled when workers do not fork.
         overwrite: replace an existing ``path``.
+        shuffle_seed: write the samples in an order shuffled by this seed (numpy's
+            ``default_rng(seed).permutation``) instead of the source's, so that consecutive
+            records are a random sample: what ``samplers.BlockShuffleSampler`` needs to be
+            random enough (docs/bigger-than-memory.md). ``ds.source_path(i)`` still names
+            each record's file.
         strict: fail on the first image that cannot be read instead of skipping it.
         progress: show a progress bar on stderr; default when stderr is a terminal.
         classes: for a dataset, the class names; default ``dataset.classes``, else ``"0"`` up to
@@ -467,6 +488,8 @@ def pack(
         job = _folder_job(source, options)
     else:
         job = _dataset_job(source, options, classes, schema)
+    if shuffle_seed is not None:
+        job = _shuffled(job, shuffle_seed)
     if workers is None:
         # Quick-checking the files of a folder kept as they are (store="encoded") costs less
         # than sending them between processes: measured 1.6x faster in this process. The full
@@ -482,6 +505,7 @@ def pack(
         "short_side": short_side,
         "quality": quality if store == "jpeg" else None,
         "check": check,
+        "shuffle_seed": shuffle_seed,
     }
     removed_partials = remove_stale_partials(target)
     temp = partial_path(target)

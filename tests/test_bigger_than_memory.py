@@ -427,3 +427,35 @@ def test_numpy_leaf_parsing_decides_as_node_by_node(tmp_path, monkeypatch):
         assert fast[0] == slow[0] and np.array_equal(fast[1], slow[1])
         changed += fast[0] != pristine
     assert changed >= 10  # the damage reached what is checked
+
+
+def test_a_pack_written_in_a_seeded_shuffled_order_holds_every_image_once(tmp_path):
+    """pack(shuffle_seed=) writes records in a seeded random order (for block shuffles): every
+    file once, each record still naming its file and label, the same order for the same seed."""
+    from PIL import Image
+
+    import fastloader
+
+    source = tmp_path / "src"
+    for label, name in enumerate(["a", "b", "c"]):
+        (source / name).mkdir(parents=True)
+        for index in range(6):
+            color = (40 * index, 80 * label, 7)
+            Image.new("RGB", (8, 6), color).save(source / name / f"{index}.png")
+    orders = []
+    for run, seed in enumerate([5, 5, 6]):
+        path = tmp_path / f"p{run}.lmdb"
+        fastloader.pack(source, path, store="raw", shuffle_seed=seed, workers=0, progress=False)
+        dataset = fastloader.LMDBDataset(path, decode="numpy")
+        order = []
+        for i in range(len(dataset)):
+            pixels, label = dataset[i]
+            relative = dataset.source_path(i)
+            assert label == ["a", "b", "c"].index(relative.split("/")[0])
+            expected = np.asarray(Image.open(source / relative).convert("RGB"))
+            np.testing.assert_array_equal(pixels, expected)
+            order.append(relative)
+        orders.append(order)
+    assert sorted(orders[0]) == sorted(f"{c}/{i}.png" for c in "abc" for i in range(6))
+    assert orders[0] == orders[1] != orders[2]
+    assert orders[0] != sorted(orders[0])
