@@ -88,7 +88,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
             "2: unreadable)",
         )
     parser.add_argument(
-        "--format", choices=FORMAT_CHOICES, help="default: from DST's suffix (.lmdb, .h5, .hdf5)"
+        "--format",
+        choices=FORMAT_CHOICES,
+        help="default: from DST's suffix (.lmdb, .h5, .hdf5); hdf5 needs about twice the pack's "
+        "size free on DST's disk while packing (its records are spooled, then copied)",
     )
     parser.add_argument(
         "--store",

@@ -412,7 +412,9 @@ def pack(
             uint8 dataset as images).
         path: the pack to write.
         format: ``"lmdb"`` or ``"hdf5"``; by default from the suffix of ``path`` (``.lmdb``,
-            ``.h5``, ``.hdf5``).
+            ``.h5``, ``.hdf5``). An HDF5 pack needs about twice its size free on ``path``'s
+            disk while it is written (records are spooled to a temporary file beside it, then
+            copied into one contiguous block); LMDB needs its size.
         store: ``"encoded"`` keeps the files' bytes (checked to decode; a dataset's decoded
             images are stored as lossless RGB PNG), ``"raw"`` decoded uint8 HWC RGB pixels,
             ``"jpeg"`` RGB JPEG re-encoded at ``quality``. Pixels are converted to 8-bit RGB.
