@@ -22,7 +22,7 @@ def batch_size(batch: Any) -> int:
     """
     # Fast path for the common (images, labels) batch: this runs on every batch.
     first = batch[0] if type(batch) in (tuple, list) and batch else batch
-    if isinstance(first, torch.Tensor):
+    if isinstance(first, torch.Tensor) and not first.is_nested:
         shape = first.shape
         return shape[0] if shape else 1
     size = _first_tensor_len(batch)
@@ -32,6 +32,8 @@ def batch_size(batch: Any) -> int:
 
 
 def _first_tensor_len(batch: Any) -> int | None:
+    if isinstance(batch, torch.Tensor) and batch.is_nested:
+        return batch.size(0)  # a nested tensor has no .shape
     if isinstance(batch, (torch.Tensor, np.ndarray)):
         return batch.shape[0] if batch.ndim else 1
     if isinstance(batch, (tuple, list)):

@@ -205,7 +205,7 @@ def judge_death(
     resend = list(unfinished)
     poisoned = None
     if current in resend and ledger.blame(current, exitcode) >= POISON_DEATHS:
-        message = ledger.poison_message(current, tasks.get(current))
+        message = ledger.poison_message(current, tasks.get(current)) + _torch_words(pid, exitcode)
         poisoned = (current, error_result(PoisonSampleError(message)))
         resend.remove(current)
         ledger.progressed(slot)  # a poison verdict settles a task: that is progress
@@ -264,6 +264,14 @@ def stall_report(
         slot for slot in holdings if progress is not None and progress[slot] == NOT_STARTED
     }
     return stall_message(timeout, holdings, dump_stacks(stack_folder, busy), not_started)
+
+
+def _torch_words(pid: int | None, exitcode: int | None) -> str:
+    """The last death in torch's own words, for code that matches torch's message."""
+    if exitcode is None or exitcode >= 0:
+        return ""
+    name = signal.strsignal(-exitcode) or f"signal {-exitcode}"
+    return f" (Last: DataLoader worker (pid {pid}) is killed by signal: {name}.)"
 
 
 def stall_message(

@@ -231,7 +231,9 @@ class DataLoader(TorchDataLoader[T_co]):
         # samples are seeded from (seed, epoch, index) instead, so keep the user's stream intact.
         with torch.random.fork_rng(devices=[]):
             source = self._epoch_source(epoch, skip)
-        self._iterator = source
+        # torch keeps no iterator without workers; code that shuts down `loader._iterator`'s
+        # workers finds them (torch's own test_shuffler_iterdatapipe does)
+        self._iterator = source if self.num_workers else None
         pids = source.worker_pids if self.num_workers else [os.getpid()]
         self.stats.watch_workers(self.num_workers, getattr(source, "busy_seconds", None), pids)
         self.stats.iter_done(epoch_length(self, skip))  # time in iter() is a wait for data

@@ -88,6 +88,7 @@ def test_a_sample_that_kills_its_worker_three_times_raises_naming_epoch_and_indi
         error = results[2]
         assert error.startswith("PoisonSampleError")
         assert "[4, 5]" in error and f"epoch {epoch}" in error and "3 times" in error
+        assert "DataLoader worker (pid" in error and "is killed by signal: Killed" in error
 
 
 def test_workers_that_cannot_be_restored_make_every_epoch_raise():

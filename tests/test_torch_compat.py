@@ -190,3 +190,55 @@ def test_forkserver_workers_run_without_deaths(recwarn):
     assert len(loader.worker_pids) == 2
     assert not [w for w in recwarn if "DataLoader worker" in str(w.message)]
     loader.close()
+
+
+class _Ragged(Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i):
+        return torch.full((i + 1, 2), float(i))
+
+
+def _nested(batch):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested tensors are a prototype API
+        return torch.nested.nested_tensor(batch)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_batches_of_nested_tensors_pass_through(num_workers):
+    """torch's test_nested_tensor_multiprocessing: a nested tensor has no .shape to count."""
+    loader = DataLoader(_Ragged(), batch_size=4, num_workers=num_workers, collate_fn=_nested)
+    try:
+        batches = list(loader)
+    finally:
+        loader.close()
+    assert [b.size(0) for b in batches] == [4, 4]
+    assert [t.shape[0] for b in batches for t in b.unbind()] == list(range(1, 9))
+    assert loader.stats.last.samples == 8
+
+
+def test_an_iterdatapipe_is_sharded_across_workers_as_torch_shards_it():
+    """torch's test_shuffler_iterdatapipe: each element once, with 0 or 2 workers."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DataPipes are deprecated in torch
+        from torch.utils.data.datapipes.iter import IterableWrapper
+
+        datapipe = IterableWrapper(range(40)).shuffle().sharding_filter()
+    for num_workers in (0, 2):
+        loader = DataLoader(datapipe, batch_size=None, num_workers=num_workers)
+        try:
+            assert sorted(int(x) for x in loader) == list(range(40))
+        finally:
+            loader.close()
+
+
+def test_without_workers_loader_iterator_stays_none_as_with_torch():
+    loader = DataLoader(list(range(4)), batch_size=2)
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+    assert loader._iterator is None and TorchDataLoader(list(range(4)))._iterator is None

@@ -13,6 +13,7 @@ from typing import Any
 from torch.utils.data import (
     BatchSampler,
     DistributedSampler,
+    IterDataPipe,
     SequentialSampler,
 )
 from torch.utils.data.dataloader import (
@@ -72,6 +73,10 @@ class SeededDatasetMixin:
     @_dataset.setter
     def _dataset(self, dataset: Any) -> None:
         if isinstance(dataset, (SeededDataset, SeededIterableDataset)):
+            wrapped = dataset
+        elif self._schedule is None and isinstance(dataset, IterDataPipe):
+            # torch shards and seeds a DataPipe itself, by its type: left unwrapped, it keeps
+            # torch's behaviour (a wrapper hid it, and every worker yielded every element)
             wrapped = dataset
         elif self._schedule is None:
             seed_rngs = self._seeding.get("seed_rngs", "auto")
