@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 import h5py
 import numpy as np
 
-from fastloader.formats.packfile import check_file, file_identity, is_tensor
+from fastloader.formats.packfile import ForkSafeFile, check_file, file_identity, is_tensor
 from fastloader.formats.records import PackError
 
 __all__ = ["HDF5File", "is_hdf5_pack"]
@@ -110,7 +110,7 @@ class _Handle:
             pass
 
 
-class HDF5File:
+class HDF5File(ForkSafeFile):
     """A user's HDF5 file of aligned datasets, one sample per row (torch-free reader).
 
     Args:
@@ -332,38 +332,20 @@ class HDF5File:
             rows.append(row)
         return np.asarray(rows, dtype=np.int64)
 
-    def _handle_here(self) -> _Handle:
-        """This process's open file (NOTE [ Fork-safe readers ] in packfile.py)."""
-        pid = os.getpid()
-        if self._handle is None or self._pid != pid:
-            check_file(self.path)
-            if file_identity(self.path) != self._identity:
-                raise PackError(
-                    f"{self.path}: the file changed since this dataset opened it: create the "
-                    f"dataset again"
-                )
-            self._handle = _Handle(self.path, self._identity[2])
-            self._pid = pid
-        return self._handle
+    def _check_unchanged(self) -> None:
+        # NOTE [ Fork-safe readers ] in packfile.py
+        check_file(self.path)
+        if file_identity(self.path) != self._identity:
+            raise PackError(
+                f"{self.path}: the file changed since this dataset opened it: create the "
+                f"dataset again"
+            )
 
-    def close(self) -> None:
-        """Close the file in this process (it reopens on the next read)."""
-        if self._handle is not None and self._pid == os.getpid():
-            self._handle.close()
-        self._handle = None
-        self._pid = None
+    def _open(self) -> _Handle:
+        return _Handle(self.path, self._identity[2])
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_handle"] = None
-        state["_pid"] = None
-        return state
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - never raise from a finaliser
-            pass
+    def _close_handle(self, handle: _Handle) -> None:
+        handle.close()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.path)!r}, {len(self)} samples, {self.field_names})"

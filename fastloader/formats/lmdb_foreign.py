@@ -27,7 +27,7 @@ import lmdb
 import numpy as np
 
 from fastloader.formats.lmdb_checks import check_lmdb_file, record_key, value_lies_in_file
-from fastloader.formats.packfile import file_identity, is_tensor
+from fastloader.formats.packfile import ForkSafeFile, file_identity, is_tensor
 from fastloader.formats.records import PackError
 
 __all__ = ["LMDBFile", "is_lmdb_pack"]
@@ -147,7 +147,7 @@ class _Handle:
 _shared = _Shared()
 
 
-class LMDBFile:
+class LMDBFile(ForkSafeFile):
     """A user's LMDB environment: sample ``i`` is the value of the ``i``-th key (torch-free).
 
     Args:
@@ -244,37 +244,19 @@ class LMDBFile:
             raise IndexError(f"index {index} out of range for {count} samples in {self.path}")
         return row
 
-    def _handle_here(self) -> _Handle:
-        """This process's environment (NOTE [ Fork-safe readers ] in packfile.py)."""
-        pid = os.getpid()
-        if self._handle is None or self._pid != pid:
-            if file_identity(self._data) != self._identity:
-                raise PackError(
-                    f"{self.path}: the environment changed since this dataset opened it: create "
-                    f"the dataset again"
-                )
-            self._handle = _shared.acquire(self.path, self._data, self._subdir, self._identity)
-            self._pid = pid
-        return self._handle
+    def _check_unchanged(self) -> None:
+        # NOTE [ Fork-safe readers ] in packfile.py
+        if file_identity(self._data) != self._identity:
+            raise PackError(
+                f"{self.path}: the environment changed since this dataset opened it: create "
+                f"the dataset again"
+            )
 
-    def close(self) -> None:
-        """Close the environment in this process (it reopens on the next read)."""
-        if self._handle is not None and self._pid == os.getpid():
-            _shared.release(self._identity, self._handle)
-        self._handle = None
-        self._pid = None
+    def _open(self) -> _Handle:
+        return _shared.acquire(self.path, self._data, self._subdir, self._identity)
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_handle"] = None
-        state["_pid"] = None
-        return state
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - never raise from a finaliser
-            pass
+    def _close_handle(self, handle: _Handle) -> None:
+        _shared.release(self._identity, handle)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.path)!r}, {len(self)} values)"

@@ -82,7 +82,59 @@ def check_file(path: Path) -> None:
 # it copies nothing.
 
 
-class PackFile:
+class ForkSafeFile:
+    """A file opened lazily in each process that reads it, and never pickled open.
+
+    The pattern every reader shares (packs and users' own files): see NOTE [ Fork-safe
+    readers ]. A subclass sets ``self._handle = self._pid = None`` in ``__init__`` and defines
+    ``_open()`` (this process's handle), ``_close_handle(handle)`` and ``_check_unchanged()``
+    (raise if the file is not the one the reader was made for).
+    """
+
+    #: Attributes that belong to one process: left out of pickles, dropped by ``close()``.
+    _PER_PROCESS: tuple[str, ...] = ("_handle", "_pid")
+
+    _handle: Any
+    _pid: int | None
+
+    def _open(self) -> Any:
+        raise NotImplementedError
+
+    def _close_handle(self, handle: Any) -> None:
+        raise NotImplementedError
+
+    def _check_unchanged(self) -> None:
+        raise NotImplementedError
+
+    def _handle_here(self) -> Any:
+        """This process's open handle, opened on first use after a fork or unpickling."""
+        pid = os.getpid()
+        if self._handle is None or self._pid != pid:
+            self._check_unchanged()
+            self._handle = self._open()
+            self._pid = pid
+        return self._handle
+
+    def close(self) -> None:
+        """Close the file in this process (it reopens on the next read)."""
+        if self._handle is not None and self._pid == os.getpid():
+            self._close_handle(self._handle)
+        for name in self._PER_PROCESS:
+            setattr(self, name, None)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(dict.fromkeys(self._PER_PROCESS))
+        return state
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finaliser
+            pass
+
+
+class PackFile(ForkSafeFile):
     """The reading core of a pack over one file: metadata, labels, checked records, sources.
 
     Subclasses implement ``_open``, ``_load_index``, ``_read_each`` and ``_read_source``.
@@ -202,27 +254,6 @@ class PackFile:
         if target is not None:
             current[1].before_read(target[0], positions, target[1])
 
-    def close(self) -> None:
-        """Close the file in this process (it reopens on the next read)."""
-        if self._handle is not None and self._pid == os.getpid():
-            self._close_handle(self._handle)
-        self._handle = None
-        self._pid = None
-        self._advice = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_handle"] = None
-        state["_pid"] = None
-        state["_advice"] = None  # holds the handle
-        return state
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - never raise from a finaliser
-            pass
-
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}({str(self.path)!r}, {len(self)} samples, "
@@ -230,18 +261,15 @@ class PackFile:
         )
 
     # --- helpers -------------------------------------------------------------------------------
-    def _handle_here(self) -> Any:
-        pid = os.getpid()
-        if self._handle is None or self._pid != pid:
-            check_file(self.path)
-            if file_identity(self.path) != self._identity:
-                raise PackError(
-                    f"{self.path}: the file changed since this dataset opened it (re-packed or "
-                    f"replaced): create the dataset again"
-                )
-            self._handle = self._open()
-            self._pid = pid
-        return self._handle
+    _PER_PROCESS = ("_handle", "_pid", "_advice")  # the read advice holds the handle
+
+    def _check_unchanged(self) -> None:
+        check_file(self.path)
+        if file_identity(self.path) != self._identity:
+            raise PackError(
+                f"{self.path}: the file changed since this dataset opened it (re-packed or "
+                f"replaced): create the dataset again"
+            )
 
     def _position(self, index: int) -> int:
         count = len(self.targets)
