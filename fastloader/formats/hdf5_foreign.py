@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 import h5py
 import numpy as np
 
-from fastloader.formats.packfile import ForkSafeFile, check_file, file_identity, is_tensor
+from fastloader.formats.packfile import ForkSafeFile, check_file, file_identity, sample_row
 from fastloader.formats.records import PackError
 
 __all__ = ["HDF5File", "is_hdf5_pack"]
@@ -320,16 +320,7 @@ class HDF5File(ForkSafeFile):
             rows[rows < 0] += count
             if rows.min() >= 0 and rows.max() < count:
                 return rows
-        rows = []
-        for index in indices:
-            if isinstance(index, np.integer) or is_tensor(index):
-                index = int(index)
-            if not isinstance(index, int):
-                raise TypeError(f"index must be an int, got {type(index).__name__}")
-            row = index + count if index < 0 else index
-            if not 0 <= row < count:
-                raise IndexError(f"index {index} out of range for {count} samples in {self.path}")
-            rows.append(row)
+        rows = [sample_row(index, count, self.path) for index in indices]
         return np.asarray(rows, dtype=np.int64)
 
     def _check_unchanged(self) -> None:

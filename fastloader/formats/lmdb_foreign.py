@@ -27,7 +27,7 @@ import lmdb
 import numpy as np
 
 from fastloader.formats.lmdb_checks import check_lmdb_file, record_key, value_lies_in_file
-from fastloader.formats.packfile import ForkSafeFile, file_identity, is_tensor
+from fastloader.formats.packfile import ForkSafeFile, file_identity, sample_row
 from fastloader.formats.records import PackError
 
 __all__ = ["LMDBFile", "is_lmdb_pack"]
@@ -234,15 +234,7 @@ class LMDBFile(ForkSafeFile):
         return [self.decode(value) for value in values]
 
     def _row(self, index: int) -> int:
-        count = len(self)
-        if isinstance(index, np.integer) or is_tensor(index):
-            index = int(index)
-        if not isinstance(index, int):
-            raise TypeError(f"index must be an int, got {type(index).__name__}")
-        row = index + count if index < 0 else index
-        if not 0 <= row < count:
-            raise IndexError(f"index {index} out of range for {count} samples in {self.path}")
-        return row
+        return sample_row(index, len(self), self.path)
 
     def _check_unchanged(self) -> None:
         # NOTE [ Fork-safe readers ] in packfile.py

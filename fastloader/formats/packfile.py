@@ -82,6 +82,24 @@ def check_file(path: Path) -> None:
 # it copies nothing.
 
 
+def sample_row(index: Any, count: int, path: Path) -> int:
+    """The row of sample ``index`` (an int, NumPy int or 0-d tensor; negative counts from the
+    end) among ``count`` samples of the file at ``path``.
+
+    Raises:
+        TypeError: for an index that is not an integer.
+        IndexError: naming the file, for an index out of range.
+    """
+    if isinstance(index, np.integer) or is_tensor(index):
+        index = int(index)
+    if not isinstance(index, int):
+        raise TypeError(f"index must be an int, got {type(index).__name__}")
+    row = index + count if index < 0 else index
+    if not 0 <= row < count:
+        raise IndexError(f"index {index} out of range for {count} samples in {path}")
+    return row
+
+
 class ForkSafeFile:
     """A file opened lazily in each process that reads it, and never pickled open.
 
@@ -272,15 +290,7 @@ class PackFile(ForkSafeFile):
             )
 
     def _position(self, index: int) -> int:
-        count = len(self.targets)
-        if isinstance(index, np.integer) or is_tensor(index):
-            index = int(index)
-        if not isinstance(index, int):
-            raise TypeError(f"index must be an int, got {type(index).__name__}")
-        position = index + count if index < 0 else index
-        if not 0 <= position < count:
-            raise IndexError(f"index {index} out of range for {count} samples in {self.path}")
-        return position
+        return sample_row(index, len(self.targets), self.path)
 
     def _record(self, position: int, buffer: Any, *, checked_later: bool = False) -> Record:
         """Parse record ``position`` from ``buffer``; its checksum is verified now unless
