@@ -71,28 +71,33 @@ def guard_reads(result_queue: Any, writing: Any, workers: Sequence[Any]) -> None
         return False
 
     reader = result_queue._reader
+    poller = select.poll()  # made once: this runs for every result
+    poller.register(reader.fileno(), select.POLLIN | select.POLLHUP)
 
     def recv_bytes() -> bytes | bytearray:
-        return read_message(reader, torn_writer_died)
+        return read_message(reader, torn_writer_died, poller)
 
     result_queue._recv_bytes = recv_bytes
 
 
-def read_message(reader: Connection, writer_died: Callable[[], bool]) -> bytes | bytearray:
+def read_message(
+    reader: Connection, writer_died: Callable[[], bool], poller: Any
+) -> bytes | bytearray:
     """Read one message as ``Connection.recv_bytes`` does; raise ``queue.Empty`` (having
-    dropped its bytes) when it stays incomplete and ``writer_died()``."""
-    (size,) = struct.unpack("!i", _read_exactly(reader, 4, writer_died))
+    dropped its bytes) when it stays incomplete and ``writer_died()``. ``poller`` is a
+    ``select.poll`` object with ``reader`` registered."""
+    (size,) = struct.unpack("!i", _read_exactly(reader, 4, writer_died, poller))
     if size == -1:
-        (size,) = struct.unpack("!Q", _read_exactly(reader, 8, writer_died))
-    return _read_exactly(reader, size, writer_died)
+        (size,) = struct.unpack("!Q", _read_exactly(reader, 8, writer_died, poller))
+    return _read_exactly(reader, size, writer_died, poller)
 
 
-def _read_exactly(reader: Connection, size: int, writer_died: Callable[[], bool]) -> bytearray:
+def _read_exactly(
+    reader: Connection, size: int, writer_died: Callable[[], bool], poller: Any
+) -> bytearray:
     buffer = bytearray(size)
     view = memoryview(buffer)
     handle = reader.fileno()
-    poller = select.poll()
-    poller.register(handle, select.POLLIN | select.POLLHUP)
     received = 0
     while received < size:
         if poller.poll(POLL_S * 1000):
