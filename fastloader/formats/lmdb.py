@@ -23,7 +23,6 @@ from fastloader.formats.lmdb_checks import (
     LeafDamaged,
     RecordSpans,
     check_lmdb_file,
-    mapping_start,
     record_key,
     value_lies_in_file,
 )
@@ -35,6 +34,7 @@ _METADATA_KEY = b"__metadata__"
 _TARGETS_KEY = b"__targets__"
 _SOURCES_KEY = b"__sources__"
 _SOURCE_OFFSETS_KEY = b"__source_offsets__"
+_OS_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _MAP_SIZE = 1 << 40  # address space only: the file grows as pages are written
 _COMMIT_BYTES = 64 << 20
 
@@ -302,6 +302,29 @@ class LMDBPack(PackFile):
             value = None if span is None else handle.view[span[0] : span[0] + span[1]]
             results.append(use(index, value))
         return results
+
+
+def mapping_start(path: Path, identity: tuple[int, int, int, int], map_size: int) -> int | None:
+    """The address at which this process maps ``path`` (LMDB's map), or None if unknown.
+
+    Read from ``/proc/self/maps`` (Linux): the mapping of this inode at offset 0 whose length
+    is the map size. None where there is no such file, or the mapping is not found.
+    """
+    length = -(-map_size // _OS_PAGE) * _OS_PAGE
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.read().splitlines()
+    except OSError:
+        return None
+    found = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or int(fields[2], 16) != 0 or int(fields[4]) != identity[1]:
+            continue
+        start, end = (int(value, 16) for value in fields[0].split("-"))
+        if end - start == length:
+            found.append(start)
+    return found[-1] if len(found) == 1 else None
 
 
 class LMDBWriter(PackWriter):
