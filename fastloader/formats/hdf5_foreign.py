@@ -14,14 +14,31 @@ crashes, reads outside the file or allocates more than its size justifies.
   dimension, its dtype (numbers, bools, fixed or variable-length strings; other object and
   variable-length types are refused, naming the dataset), that it is not 0-d.
 - Storage that lies elsewhere (external links, external raw storage, virtual datasets) is
-  refused unless ``allow_external=True``: it reads files other than the one named.
+  refused unless ``allow_external=True``: it reads files other than the one named. Links are
+  resolved to the file that holds the dataset before any offset is used: a soft link that
+  leads through an external link is another file's dataset (refused, or read by h5py), never
+  this file's bytes at that file's offset.
+- A top-level object that cannot be opened (a damaged object header, a dangling link) is an
+  error naming it, not a field silently left out.
 - A contiguous, unfiltered dataset (what ``create_dataset`` writes without ``chunks``,
-  ``compression`` or ``maxshape``) is read through our own read-only map of the byte range
+  ``compression`` or ``maxshape``) whose stored type is exactly what h5py reads it as (NOTE
+  [ Mapped bytes are h5py's bytes ]) is read through our own read-only map of the byte range
   HDF5 reports for it, checked to lie inside the file: a row is a slice of memory, no HDF5
   call (NOTE [ Mapped rows ]). Everything else (chunked, compressed, strings of variable
   length) is read by h5py, whose filters bound what they inflate to the dataset's declared
   shape; a row that no compression of the file could hold (more than deflate's 1032:1) is
   refused at construction, so a hostile shape cannot make a read allocate terabytes.
+- String datasets give a str per row; rows of several strings (``(N, 2)``) a list of str.
+
+NOTE [ A file changed under a reader ]
+A file rewritten or truncated while a loader reads it would give rows of another file (h5py's
+cached structure over new bytes), or, through the map, a SIGBUS that kills the process at the
+first page past the new end. So before every batch (``read_many``) the file's identity, its
+device, inode, size and modification time, is compared with the one checked at construction
+(one ``stat``, about a microsecond); a change is a PackError naming the file. What remains is
+the window between that ``stat`` and the batch's copy (microseconds): a truncation inside it
+is not caught, and a user who rewrites a file while training reads it is told at the next
+batch.
 
 NOTE [ Mapped rows ]
 h5py pays 10-30 us of Python and HDF5 bookkeeping per ``dataset[i]`` (selection, type
@@ -177,10 +194,28 @@ class HDF5File(ForkSafeFile):
         return [field for field, _ in checked], next(iter(lengths.values()))
 
     def _is_dataset(self, file: h5py.File, name: str) -> bool:
+        """Whether top-level ``name`` is a field by default: a dataset, or a link to one.
+
+        An object that cannot be opened (a damaged header, a dangling link) is an error naming
+        it, never a field silently left out (NOTE [ Foreign HDF5 files ])."""
         link = file.get(name, getlink=True)
         if isinstance(link, h5py.ExternalLink):
             return True  # refused with its name by _check_field
-        return isinstance(file.get(name), h5py.Dataset)
+        return isinstance(self._object(file, name), h5py.Dataset)
+
+    def _object(self, file: h5py.File, name: str) -> h5py.Dataset | h5py.Group:
+        try:
+            return file[name]
+        except Exception as error:  # noqa: BLE001 - h5py on a damaged file: anything
+            if name not in file:  # no link of that name: a missing field
+                raise PackError(
+                    f"{self.path}: dataset {name!r}: no such dataset (the file has "
+                    f"{sorted(file.keys())})"
+                ) from None
+            raise PackError(
+                f"{self.path}: dataset {name!r} cannot be opened: a damaged object or a link "
+                f"that leads nowhere ({_short(error)}); name the other fields with fields="
+            ) from None
 
     def _check_field(self, handle: _Handle, name: str) -> tuple[_Field, int]:
         file, where = handle.file, f"{self.path}: dataset {name!r}"
@@ -190,9 +225,14 @@ class HDF5File(ForkSafeFile):
                 f"{where} is an external link to another file: refused "
                 f"(pass allow_external=True to read it)"
             )
-        dataset = file.get(name)
-        if dataset is None:
-            raise PackError(f"{where}: no such dataset (the file has {sorted(file.keys())})")
+        dataset = self._object(file, name)
+        if isinstance(dataset, h5py.Dataset) and not _in_file(dataset, file):
+            linked = True  # reached through links that lead to another file
+            if not self.allow_external:
+                raise PackError(
+                    f"{where} lies in another file (a soft link through an external link): "
+                    f"refused (pass allow_external=True to read it)"
+                )
         if not isinstance(dataset, h5py.Dataset):
             raise PackError(f"{where} is a group, not a dataset (name its datasets as 'a/b')")
         shape, dtype = dataset.shape, dataset.dtype
@@ -206,12 +246,12 @@ class HDF5File(ForkSafeFile):
                 f"{where} stores its data in other files (external or virtual storage): "
                 f"refused (pass allow_external=True to read it)"
             )
+        mapped = not external and layout == h5py.h5d.CONTIGUOUS and not plist.get_nfilters()
+        mapped = mapped and _maps_exactly(dataset)  # NOTE [ Mapped bytes are h5py's bytes ]
         string = h5py.check_string_dtype(dtype)
-        if string is not None:  # fixed-length strings are mapped, variable-length read by h5py
-            mapped = dtype.kind == "S" and not external and len(shape) == 1
-            plain = mapped and layout == h5py.h5d.CONTIGUOUS and not plist.get_nfilters()
-            offset = self._checked_offset(dataset, where) if plain else None
-            return _Field(name, "str", dtype, (), offset), shape[0]
+        if string is not None:  # fixed-length strings may be mapped, variable-length never
+            offset = self._checked_offset(dataset, where) if mapped and dtype.kind == "S" else None
+            return _Field(name, "str", dtype, tuple(shape[1:]), offset), shape[0]
         if dtype.hasobject or h5py.check_vlen_dtype(dtype) is not None:
             raise PackError(
                 f"{where} holds {dtype} values (variable-length or object), which cannot be "
@@ -226,9 +266,7 @@ class HDF5File(ForkSafeFile):
                 f"bytes: more than any compression of it could hold (damaged or hostile)"
             )
         kind = "scalar" if len(shape) == 1 and dtype.fields is None else "array"
-        offset = None
-        if not external and layout == h5py.h5d.CONTIGUOUS and not plist.get_nfilters():
-            offset = self._checked_offset(dataset, where)
+        offset = self._checked_offset(dataset, where) if mapped else None
         return _Field(name, kind, dtype, tuple(shape[1:]), offset), shape[0]
 
     def _through_external_link(self, file: h5py.File, name: str) -> bool:
@@ -272,6 +310,7 @@ class HDF5File(ForkSafeFile):
         """
         rows = self._rows(indices)
         handle = self._handle_here()
+        self._check_unchanged()  # every batch: NOTE [ A file changed under a reader ]
         columns = {}
         for field in self.fields:
             try:
@@ -292,10 +331,8 @@ class HDF5File(ForkSafeFile):
             values = mapped[rows]  # one gather, a copy: NOTE [ Mapped rows ]
         else:
             values = self._read_sorted(handle.dataset(field.name), rows)
-        if field.kind == "str":
-            if values.dtype.kind == "S":  # fixed length: bytes without the padding
-                return [value.decode("utf-8", "surrogateescape") for value in values.tolist()]
-            return [_text(value) for value in values]
+        if field.kind == "str":  # a str per row; a nested list of str for (N, k, ...) rows
+            return [_text(value) for value in values.tolist()]
         if not values.dtype.isnative and values.dtype.fields is None:  # torch wants native
             values = values.astype(values.dtype.newbyteorder("="))
         if field.kind == "scalar":
@@ -324,12 +361,15 @@ class HDF5File(ForkSafeFile):
         return np.asarray(rows, dtype=np.int64)
 
     def _check_unchanged(self) -> None:
-        # NOTE [ Fork-safe readers ] in packfile.py
-        check_file(self.path)
-        if file_identity(self.path) != self._identity:
+        # NOTE [ Fork-safe readers ] in packfile.py; NOTE [ A file changed under a reader ]
+        try:
+            identity = file_identity(self.path)
+        except OSError:
+            identity = None
+        if identity != self._identity:
             raise PackError(
-                f"{self.path}: the file changed since this dataset opened it: create the "
-                f"dataset again"
+                f"{self.path}: the file changed since this dataset opened it (written, "
+                f"truncated or replaced): create the dataset again"
             )
 
     def _open(self) -> _Handle:
@@ -346,9 +386,33 @@ def _items(shape: tuple[int, ...]) -> int:
     return int(np.prod(shape, dtype=np.int64))
 
 
-def _text(value: Any) -> str:
-    if isinstance(value, np.ndarray):  # a 1-element row of a (N, 1) string dataset
-        value = value.reshape(-1)[0] if value.size == 1 else value
+def _text(value: Any) -> str | list:
+    """A string row (``tolist()`` of it) as str: bytes decoded; rows of several strings
+    (a ``(N, 2)`` dataset) as a list of str, nested as the row's shape."""
+    if isinstance(value, (list, tuple)):
+        return [_text(item) for item in value]
+    if isinstance(value, np.ndarray):  # a variable-length string row h5py gives as objects
+        return _text(value.tolist())
     if isinstance(value, bytes):
         return value.decode("utf-8", "surrogateescape")
     return str(value)
+
+
+def _in_file(dataset: h5py.Dataset, file: h5py.File) -> bool:
+    """Whether ``dataset`` lies in ``file`` itself, whatever links led to it."""
+    return h5py.h5o.get_info(dataset.id).fileno == h5py.h5o.get_info(file.id).fileno
+
+
+# NOTE [ Mapped bytes are h5py's bytes ]
+# h5py converts a dataset's stored type to the NumPy dtype it reports: N-bit integers (a
+# precision or bit offset other than the whole word) are shifted and masked, strings padded
+# with spaces or terminated by a null are trimmed, floats of other layouts are converted. A
+# mapped row skips that conversion, so a dataset is mapped only when its stored HDF5 type is
+# exactly the type h5py reads it into (``H5Tequal`` with the memory type h5py makes for its
+# dtype): byte order included (a big-endian dataset's bytes are mapped as big-endian and
+# converted by NumPy, as h5py would). Anything else is read by h5py.
+def _maps_exactly(dataset: h5py.Dataset) -> bool:
+    try:
+        return bool(dataset.id.get_type().equal(h5py.h5t.py_create(dataset.dtype)))
+    except Exception:  # noqa: BLE001 - a type h5py cannot describe: it reads it, or refuses
+        return False
