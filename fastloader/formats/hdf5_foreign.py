@@ -218,6 +218,19 @@ class HDF5File(ForkSafeFile):
             ) from None
 
     def _check_field(self, handle: _Handle, name: str) -> tuple[_Field, int]:
+        """A field's description and length, its first row read if h5py will read it: a
+        damaged data address or filter is an error now, naming it, not at some batch."""
+        field, length = self._describe_field(handle, name)
+        if field.offset is None and length:
+            try:
+                handle.file[name][0:1]
+            except Exception as error:  # noqa: BLE001 - h5py on a damaged file: anything
+                raise PackError(
+                    f"{self.path}: dataset {name!r} cannot be read (damaged: {_short(error)})"
+                ) from None
+        return field, length
+
+    def _describe_field(self, handle: _Handle, name: str) -> tuple[_Field, int]:
         file, where = handle.file, f"{self.path}: dataset {name!r}"
         linked = self._through_external_link(file, name)
         if linked and not self.allow_external:

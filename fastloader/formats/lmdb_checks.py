@@ -69,10 +69,15 @@ def check_lmdb_file(path: Path, size: int) -> tuple[int, int]:
     return meta["psize"], meta["main"]["root"]
 
 
-def checked_meta(path: Path, size: int) -> dict:
+def checked_meta(path: Path, size: int, *, whole: bool = True) -> dict:
     """The meta page LMDB will use for the file at ``path`` (``size`` bytes), checked against
     its size: ``psize``, ``last_pg``, ``main``/``free`` (flags, depth, pages, root) and the main
-    database's page ``counts`` and entries. Raises PackError as ``check_lmdb_file``."""
+    database's page ``counts`` and entries. Raises PackError as ``check_lmdb_file``.
+
+    ``whole=False`` accepts a file shorter than the pages the meta page says are in use (LMDB
+    leaves the pages allocated and freed within one transaction unwritten at the end of a
+    user's environment); then no page past the file's end may be referenced, which the caller
+    checks."""
     with open(path, "rb") as file:
         first = file.read(_PAGE_HEADER.size + _META.size)
         meta0 = _meta(path, first)
@@ -83,7 +88,7 @@ def checked_meta(path: Path, size: int) -> dict:
         meta1 = _meta(path, file.read(_PAGE_HEADER.size + _META.size))
     meta = meta1 if meta1["txnid"] > meta0["txnid"] else meta0  # what LMDB picks
     pages = meta["last_pg"] + 1
-    if meta["last_pg"] >= _P_INVALID // psize or pages * psize > size:
+    if meta["last_pg"] >= _P_INVALID // psize or whole and pages * psize > size:
         raise PackError(
             f"{path}: truncated or damaged LMDB file (its meta page says {pages} pages of "
             f"{psize} bytes; the file has {size} bytes)"

@@ -131,7 +131,7 @@ class LMDBFile(ForkSafeFile):
         self._handle: _Handle | None = None
         self._pid: int | None = None
         size = self._identity[2]
-        meta = checked_meta(self._data, size)  # before anything maps more than a header
+        meta = checked_meta(self._data, size, whole=False)  # before anything maps more
         handle = self._handle_here()
         try:
             tree = check_tree(handle.map, self.path, meta)

@@ -85,7 +85,8 @@ def check_tree(file: bytes | memoryview, path: Path, meta: dict) -> Tree:
             f"{path}: an LMDB main database with flags {main['flags']:#x} (dupsort, integer or "
             f"reversed keys): not read, its order is not the keys' byte order"
         )
-    walk = _Walk(file, path, meta["psize"], meta["last_pg"] + 1)
+    pages = min(meta["last_pg"] + 1, len(file) // meta["psize"])  # see checked_meta(whole=)
+    walk = _Walk(file, path, meta["psize"], pages)
     if main["root"] != _P_INVALID:
         walk.subtree(main["root"], main["depth"], None, None)
     found = dict(zip(_COUNTS, walk.counts, strict=True))
