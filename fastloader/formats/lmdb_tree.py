@@ -85,8 +85,7 @@ def check_tree(file: bytes | memoryview, path: Path, meta: dict) -> Tree:
             f"{path}: an LMDB main database with flags {main['flags']:#x} (dupsort, integer or "
             f"reversed keys): not read, its order is not the keys' byte order"
         )
-    pages = min(meta["last_pg"] + 1, len(file) // meta["psize"])  # see checked_meta(whole=)
-    walk = _Walk(file, path, meta["psize"], pages)
+    walk = _Walk(file, path, meta["psize"], meta["last_pg"] + 1)
     if main["root"] != _P_INVALID:
         walk.subtree(main["root"], main["depth"], None, None)
     found = dict(zip(_COUNTS, walk.counts, strict=True))
@@ -102,8 +101,10 @@ def check_tree(file: bytes | memoryview, path: Path, meta: dict) -> Tree:
 
 
 class _Walk:
-    def __init__(self, file: bytes | memoryview, path: Path, psize: int, pages: int) -> None:
-        self.file, self.psize, self.pages = file, psize, pages
+    def __init__(self, file: bytes | memoryview, path: Path, psize: int, in_use: int) -> None:
+        # pages past the file's end may be in use but unwritten: see checked_meta(whole=)
+        self.file, self.psize, self.pages = file, psize, min(in_use, len(file) // psize)
+        self.in_use, self.path = in_use, path
         self.where = f"{path}: damaged LMDB environment"
         self.seen: set[int] = set()
         self.counts = [0, 0, 0, 0]  # branch, leaf, overflow pages, entries
@@ -136,6 +137,11 @@ class _Walk:
 
     def _page(self, pgno: int) -> tuple[int, tuple[int, ...]]:
         """A branch or leaf page's flags and node offsets, its header checked."""
+        if self.pages <= pgno < self.in_use:
+            raise PackError(
+                f"{self.path}: truncated or damaged LMDB file (page {pgno} of its tree lies past "
+                f"the end of the file, {len(self.file)} bytes)"
+            )
         if not 2 <= pgno < self.pages:
             raise self.fail(pgno, f"outside the {self.pages} pages in use, or a meta page")
         if pgno in self.seen:
