@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 from fastloader import HDF5Dataset, LMDBDataset, PackError, pack
+from fastloader.datasets.collate import RaggedFieldError, pad_ragged
 from fastloader.formats import bounded_json
 from fastloader.formats import fields as fields_format
 from fastloader.formats import lmdb as lmdb_format
@@ -170,3 +171,43 @@ def test_packing_to_lmdb_works_under_a_4_gb_address_space_limit(tmp_path):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert verify(tmp_path / "p.lmdb").ok
+
+
+# --- pad_ragged: NOTE [ Padding never changes data ] ------------------------------------------
+
+
+def _ragged(dtype_a, dtype_b=None, **extra) -> list[dict]:
+    return [
+        {"x": np.zeros(2, dtype_a), **{k: v[0] for k, v in extra.items()}},
+        {"x": np.ones(3, dtype_b or dtype_a), **{k: v[1] for k, v in extra.items()}},
+    ]
+
+
+def test_pad_ragged_refuses_mixed_dtypes_instead_of_casting():
+    with pytest.raises(RaggedFieldError, match=r"field 'x' mixes dtypes \(float32, int64\)"):
+        pad_ragged()(_ragged(np.int64, np.float32))
+
+
+@pytest.mark.parametrize(
+    "pad_value, dtype",
+    [(-1, np.uint8), (256, np.uint8), (0.5, np.int32), (2, bool), (1e6, np.float16)],
+)
+def test_pad_ragged_refuses_a_pad_value_the_dtype_cannot_hold(pad_value, dtype):
+    with pytest.raises(ValueError, match=rf"pad_value {pad_value!r} cannot be stored in field 'x'"):
+        pad_ragged(pad_value)(_ragged(dtype))
+
+
+def test_pad_ragged_never_writes_lengths_over_a_field():
+    batch = _ragged(np.float32, x_lengths=([7], [8]))
+    with pytest.raises(ValueError, match="already have a field 'x_lengths'"):
+        pad_ragged()(batch)
+
+
+def test_pad_ragged_pads_with_values_the_dtype_holds():
+    out = pad_ragged(-1)(_ragged(np.int8))
+    assert out["x"].dtype == torch.int8 and out["x"].tolist() == [[0, 0, -1], [1, 1, 1]]
+    assert out["x_lengths"].tolist() == [2, 3]
+    floats = pad_ragged(float("nan"))(_ragged(np.float16))
+    assert torch.isnan(floats["x"][0, 2]) and floats["x"].dtype == torch.float16
+    with pytest.raises(TypeError, match="pad_value must be a number"):
+        pad_ragged("0")
