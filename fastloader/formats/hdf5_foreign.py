@@ -184,6 +184,7 @@ class HDF5File(ForkSafeFile):
             if len(set(names)) != len(names) or not names:
                 raise ValueError(f"fields must name distinct datasets, got {list(fields)}")
         checked = [self._check_field(handle, name) for name in names]
+        self._check_no_overlap(checked)
         lengths = {field.name: length for field, length in checked}
         if len(set(lengths.values())) > 1:
             listed = ", ".join(f"{name} has {length}" for name, length in lengths.items())
@@ -192,6 +193,25 @@ class HDF5File(ForkSafeFile):
                 f"name the aligned ones with fields="
             )
         return [field for field, _ in checked], next(iter(lengths.values()))
+
+    def _check_no_overlap(self, checked: list[tuple[_Field, int]]) -> None:
+        """Mapped datasets whose byte ranges overlap (a damaged data address that lands in
+        another dataset) are refused, naming both; two names of one dataset share its range."""
+        spans = sorted(
+            (field.offset, field.offset + length * _items(field.row_shape) * field.dtype.itemsize)
+            + (field.name,)
+            for field, length in checked
+            if field.offset is not None
+        )
+        reach = (-1, -1, "")  # the span reaching furthest so far
+        for start, end, name in spans:
+            if start < reach[1] and (start, end) != reach[:2]:
+                raise PackError(
+                    f"{self.path}: datasets {reach[2]!r} and {name!r} claim overlapping bytes "
+                    f"({reach[0]}-{reach[1]} and {start}-{end}): a damaged data address"
+                )
+            if end > reach[1]:
+                reach = (start, end, name)
 
     def _is_dataset(self, file: h5py.File, name: str) -> bool:
         """Whether top-level ``name`` is a field by default: a dataset, or a link to one.
@@ -220,7 +240,12 @@ class HDF5File(ForkSafeFile):
     def _check_field(self, handle: _Handle, name: str) -> tuple[_Field, int]:
         """A field's description and length, its first row read if h5py will read it: a
         damaged data address or filter is an error now, naming it, not at some batch."""
-        field, length = self._describe_field(handle, name)
+        try:
+            field, length = self._describe_field(handle, name)
+        except PackError:
+            raise
+        except Exception as error:  # noqa: BLE001 - h5py on a damaged file: anything
+            raise PackError(f"{self.path}: dataset {name!r} is damaged ({_short(error)})") from None
         if field.offset is None and length:
             try:
                 handle.file[name][0:1]
