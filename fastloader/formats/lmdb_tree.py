@@ -51,7 +51,9 @@ _HEADER = _PAGE_HEADER.size  # 16: pgno u64, pad u16, flags u16, lower u16, uppe
 _P_BRANCH, _P_LEAF, _P_OVERFLOW, _P_META = 0x01, 0x02, 0x04, 0x08
 _P_KINDS = _P_BRANCH | _P_LEAF | _P_OVERFLOW | _P_META | 0x20 | 0x40  # + LEAF2, SUBP
 _F_BIGDATA, _F_SUBDATA = 0x01, 0x02
-_DB_RECORD = 48  # sizeof(MDB_db): the value of a named sub-database's entry
+_DB = struct.Struct("<IHHQQQQQ")  # MDB_db: pad, flags, depth, page counts, entries, root
+_DB_RECORD = _DB.size  # 48: the value of a named sub-database's entry
+_DB_FLAGS = 0x7E  # what a named database may be opened with (reverse/dup/integer keys...)
 _OVERFLOW_PAGES = struct.Struct("<I")  # mp_pages, where an overflow page has lower/upper
 _P_INVALID = (1 << 64) - 1
 _COUNTS = ("branch", "leaf", "overflow", "entries")
@@ -210,6 +212,7 @@ class _Walk:
             if not key:
                 raise self.fail(pgno, "an empty key (LMDB stores none)")
             if flags == _F_SUBDATA and size == _DB_RECORD:
+                self._check_subdatabase(pgno, data_at)
                 self.subdatabases.add(key)
                 continue
             if flags & ~_F_BIGDATA:  # F_DUPDATA, or a sub-database record of another size
@@ -220,6 +223,21 @@ class _Walk:
             self.keys.append(key)
             self.starts.append(data_at)
             self.sizes.append(size)
+
+    def _check_subdatabase(self, pgno: int, at: int) -> None:
+        """A sub-database's record is an MDB_db (its tree is not read): a sample whose node
+        flags were damaged into F_SUBDATA must not vanish silently from the listing."""
+        pad, flags, depth, branch, leaf, overflow, entries, root = _DB.unpack_from(self.file, at)
+        empty = root == _P_INVALID
+        sane = (
+            pad < self.psize  # the key size of DUPFIXED records, else 0
+            and not flags & ~_DB_FLAGS
+            and depth <= 32
+            and empty == (depth == 0) == (entries == 0) == (branch + leaf + overflow == 0)
+            and (empty or 2 <= root < self.in_use and branch + leaf + overflow < self.in_use)
+        )
+        if not sane:
+            raise self.fail(pgno, "a named sub-database's record is damaged")
 
     def _overflow(self, parent: int, pgno: int, size: int) -> int:
         """Where the value of ``size`` bytes on overflow page ``pgno`` starts, checked."""
