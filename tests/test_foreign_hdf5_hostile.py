@@ -196,3 +196,47 @@ def test_a_file_changed_while_a_loader_reads_it_is_a_clear_error(tmp_path, worke
     )
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
     assert "PackError" in done.stdout and "changed since this dataset opened it" in done.stdout
+
+
+_READ_ALL = """
+import sys
+from fastloader import PackError
+from fastloader.formats.hdf5_foreign import HDF5File
+try:
+    dataset = HDF5File(sys.argv[1])
+    print("read", dataset.read_many(range(len(dataset))))
+except PackError as error:
+    print("PackError", error)
+"""
+
+
+def test_a_damaged_global_heap_is_an_error_not_a_hang(tmp_path):
+    path = tmp_path / "text.h5"
+    with h5py.File(path, "w") as file:
+        file.create_dataset("text", data=[f"t{i}é" for i in range(10)], dtype=h5py.string_dtype())
+    data = bytearray(path.read_bytes())
+    at = data.index("t9é".encode()) - 8  # the heap object's size, before its bytes
+    struct.pack_into("<Q", data, at, 0x0E2D16)  # what made h5py spin for minutes (issue 27)
+    path.write_bytes(bytes(data))
+    done = subprocess.run(
+        [sys.executable, "-c", _READ_ALL, str(path)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "PackError" in done.stdout and "'text' is damaged" in done.stdout, done.stdout
+
+
+def test_variable_length_strings_with_many_heap_collections_read_as_h5py(tmp_path):
+    path = tmp_path / "v.h5"
+    texts = ["" if i % 7 == 0 else "é" * (i * 13 % 2900) + str(i) for i in range(300)]
+    with h5py.File(path, "w") as file:
+        file.create_dataset("t", data=texts, dtype=h5py.string_dtype())
+        file.create_dataset("never", shape=(300,), dtype=h5py.string_dtype())
+    dataset = HDF5File(path)
+    assert dataset.fields[1].heap_ids is not None
+    got = dataset.read_many(list(range(299, -1, -1)))
+    assert [sample["t"] for sample in got] == texts[::-1]
+    assert {sample["never"] for sample in got} == {""}

@@ -59,6 +59,7 @@ from typing import Any, NamedTuple
 import h5py
 import numpy as np
 
+from fastloader.formats.hdf5_heap import HEAP_ID_SIZE, check_heap_ids
 from fastloader.formats.packfile import ForkSafeFile, check_file, file_identity, sample_row
 from fastloader.formats.records import PackError
 from fastloader.formats.signatures import HDF5_SIGNATURE
@@ -75,6 +76,7 @@ class _Field(NamedTuple):
     dtype: np.dtype  # as stored (strings: None)
     row_shape: tuple[int, ...]
     offset: int | None  # where its bytes start in the file, when mapped; None: read by h5py
+    heap_ids: int | None = None  # variable-length strings: where their heap IDs start
 
 
 def is_hdf5_pack(path: str | os.PathLike) -> bool:
@@ -111,6 +113,7 @@ class _Handle:
         with open(path, "rb") as opened:
             self.map = mmap.mmap(opened.fileno(), size, access=mmap.ACCESS_READ)
         self.datasets: dict[str, h5py.Dataset] = {}
+        self.heaps: dict[int, dict | None] = {}  # global heap collections checked here
 
     def dataset(self, name: str) -> h5py.Dataset:
         dataset = self.datasets.get(name)
@@ -247,6 +250,7 @@ class HDF5File(ForkSafeFile):
         except Exception as error:  # noqa: BLE001 - h5py on a damaged file: anything
             raise PackError(f"{self.path}: dataset {name!r} is damaged ({_short(error)})") from None
         if field.offset is None and length:
+            self._check_heap(handle, field, np.zeros(1, dtype=np.int64))
             try:
                 handle.file[name][0:1]
             except Exception as error:  # noqa: BLE001 - h5py on a damaged file: anything
@@ -284,11 +288,14 @@ class HDF5File(ForkSafeFile):
                 f"{where} stores its data in other files (external or virtual storage): "
                 f"refused (pass allow_external=True to read it)"
             )
-        mapped = not external and layout == h5py.h5d.CONTIGUOUS and not plist.get_nfilters()
-        mapped = mapped and _maps_exactly(dataset)  # NOTE [ Mapped bytes are h5py's bytes ]
+        plain = not external and layout == h5py.h5d.CONTIGUOUS and not plist.get_nfilters()
+        mapped = plain and _maps_exactly(dataset)  # NOTE [ Mapped bytes are h5py's bytes ]
         string = h5py.check_string_dtype(dtype)
         if string is not None:  # fixed-length strings may be mapped, variable-length never
-            offset = self._checked_offset(dataset, where) if mapped and dtype.kind == "S" else None
+            if dtype.kind != "S":  # NOTE [ Global heap checked before h5py ]
+                heap = self._heap_ids(dataset, where) if plain else None
+                return _Field(name, "str", dtype, tuple(shape[1:]), None, heap), shape[0]
+            offset = self._checked_offset(dataset, where) if mapped else None
             return _Field(name, "str", dtype, tuple(shape[1:]), offset), shape[0]
         if dtype.hasobject or h5py.check_vlen_dtype(dtype) is not None:
             raise PackError(
@@ -314,6 +321,25 @@ class HDF5File(ForkSafeFile):
             if isinstance(link, h5py.ExternalLink):
                 return True
         return False
+
+    def _heap_ids(self, dataset: h5py.Dataset, where: str) -> int | None:
+        """Where a contiguous variable-length dataset's heap IDs start, checked to lie in the
+        file; None if unwritten or not of 16-byte IDs (NOTE [ Global heap checked before
+        h5py ])."""
+        offset, count = dataset.id.get_offset(), _items(dataset.shape)
+        if offset is None or dataset.id.get_storage_size() != count * HEAP_ID_SIZE:
+            return None
+        if offset + count * HEAP_ID_SIZE > self._identity[2]:
+            raise PackError(f"{where}: truncated or damaged file (its heap IDs lie past its end)")
+        return offset
+
+    def _check_heap(self, handle: _Handle, field: _Field, rows: np.ndarray) -> None:
+        if field.heap_ids is None:
+            return
+        per_row = _items(field.row_shape)
+        problem = check_heap_ids(handle.map, field.heap_ids, rows, per_row, handle.heaps)
+        if problem is not None:
+            raise PackError(f"{self.path}: dataset {field.name!r} is damaged ({problem})")
 
     def _checked_offset(self, dataset: h5py.Dataset, where: str) -> int | None:
         """Where a contiguous dataset's bytes start, checked to lie inside the file."""
@@ -368,6 +394,7 @@ class HDF5File(ForkSafeFile):
             ).reshape((self._count, *field.row_shape))
             values = mapped[rows]  # one gather, a copy: NOTE [ Mapped rows ]
         else:
+            self._check_heap(handle, field, rows)
             values = self._read_sorted(handle.dataset(field.name), rows)
         if field.kind == "str":  # a str per row; a nested list of str for (N, k, ...) rows
             return [_text(value) for value in values.tolist()]
