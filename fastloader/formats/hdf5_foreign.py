@@ -114,6 +114,7 @@ class _Handle:
             self.map = mmap.mmap(opened.fileno(), size, access=mmap.ACCESS_READ)
         self.datasets: dict[str, h5py.Dataset] = {}
         self.heaps: dict[int, dict | None] = {}  # global heap collections checked here
+        self.heap_rows: dict[str, np.ndarray] = {}  # rows whose heap IDs were checked
 
     def dataset(self, name: str) -> h5py.Dataset:
         dataset = self.datasets.get(name)
@@ -250,7 +251,7 @@ class HDF5File(ForkSafeFile):
         except Exception as error:  # noqa: BLE001 - h5py on a damaged file: anything
             raise PackError(f"{self.path}: dataset {name!r} is damaged ({_short(error)})") from None
         if field.offset is None and length:
-            self._check_heap(handle, field, np.zeros(1, dtype=np.int64))
+            self._check_heap(handle, field, np.zeros(1, dtype=np.int64), length)
             try:
                 handle.file[name][0:1]
             except Exception as error:  # noqa: BLE001 - h5py on a damaged file: anything
@@ -333,13 +334,21 @@ class HDF5File(ForkSafeFile):
             raise PackError(f"{where}: truncated or damaged file (its heap IDs lie past its end)")
         return offset
 
-    def _check_heap(self, handle: _Handle, field: _Field, rows: np.ndarray) -> None:
+    def _check_heap(self, handle: _Handle, field: _Field, rows: np.ndarray, count: int) -> None:
+        """Check the heap IDs of ``rows`` (of ``count``) not checked yet in this process."""
         if field.heap_ids is None:
+            return
+        seen = handle.heap_rows.get(field.name)
+        if seen is None:
+            seen = handle.heap_rows[field.name] = np.zeros(count, dtype=bool)
+        rows = rows[~seen[rows]]
+        if not len(rows):
             return
         per_row = _items(field.row_shape)
         problem = check_heap_ids(handle.map, field.heap_ids, rows, per_row, handle.heaps)
         if problem is not None:
             raise PackError(f"{self.path}: dataset {field.name!r} is damaged ({problem})")
+        seen[rows] = True
 
     def _checked_offset(self, dataset: h5py.Dataset, where: str) -> int | None:
         """Where a contiguous dataset's bytes start, checked to lie inside the file."""
@@ -394,7 +403,7 @@ class HDF5File(ForkSafeFile):
             ).reshape((self._count, *field.row_shape))
             values = mapped[rows]  # one gather, a copy: NOTE [ Mapped rows ]
         else:
-            self._check_heap(handle, field, rows)
+            self._check_heap(handle, field, rows, self._count)
             values = self._read_sorted(handle.dataset(field.name), rows)
         if field.kind == "str":  # a str per row; a nested list of str for (N, k, ...) rows
             return [_text(value) for value in values.tolist()]
