@@ -25,7 +25,12 @@ meets against what LMDB writes:
 - the meta page's counts (branch, leaf, overflow pages, entries) equal what the walk found.
 
 The walk yields every key and its value's (offset, size) in the file, kept as NumPy arrays;
-reads are then slices of the same map (``lmdb_foreign.py``), with no walk and no LMDB call.
+reads are then slices of the same map (``lmdb_foreign.py``), with no walk and no LMDB call:
+20-30x py-lmdb's reads of the same values in random batches (a 20 000-value environment on
+the shared box). The price is paid once, at construction: about 9 us a key (1.7-2.4 s for
+200 000 keys at load 8, against 0.2 s for py-lmdb's bare listing), in the main process only
+(workers get the arrays). A NumPy version of the leaf checks measured no faster: the time
+goes to reading each overflow page's header, which the check needs.
 
 Rules for what a user's environment may hold: the main database's values are the samples.
 Named sub-databases (``env.open_db(b"name")``) are entries of the main database whose value is
