@@ -44,6 +44,7 @@ import numpy as np
 import xxhash
 
 OUTCOMES = ("correct or PackError", "silently wrong", "other exception", "crashed")
+NOTES = ("of which refused", "the library died")
 PSIZE = 4096
 _BATCH = 5  # samples per read_many, as a loader's batches read them
 
@@ -305,6 +306,13 @@ def lmdb_tree_pages(data: bytes) -> dict[int, list[int]]:
     return found
 
 
+def _in_page(rng: random.Random) -> int:
+    """A byte of a page that readers trust: near its start (header, node offsets), or near
+    its end, where LMDB packs the nodes (headers, keys, small values)."""
+    distance = min(int(rng.expovariate(1 / 128)), PSIZE - 1)
+    return distance if rng.random() < 0.5 else PSIZE - 1 - distance
+
+
 def mutate_lmdb(data: bytes, rng: random.Random, tree: dict) -> tuple[bytes, str]:
     out = bytearray(data)
     pages = tree[1] + tree[2]
@@ -325,11 +333,7 @@ def mutate_lmdb(data: bytes, rng: random.Random, tree: dict) -> tuple[bytes, str
     if kind in ("any flip", "meta flip", "page flip"):
         page = {"meta flip": rng.choice([0, 1]), "page flip": rng.choice(pages + tree[4])}.get(kind)
         for _ in range(rng.randint(1, 3)):
-            at = (
-                rng.randrange(len(out))
-                if page is None
-                else page * PSIZE + min(int(rng.expovariate(1 / 96)), PSIZE - 1)
-            )
+            at = rng.randrange(len(out)) if page is None else page * PSIZE + _in_page(rng)
             out[at] ^= rng.randrange(1, 256)
         return bytes(out), kind
     page = rng.choice(pages)
@@ -400,7 +404,8 @@ def run_children(paths: list[Path], kind: str, role: str, timeout: float = 120.0
 
 
 def fuzz(workdir: Path, kind: str, trials: int, seed: int) -> tuple[dict, dict]:
-    """Outcome counts of ``trials`` mutated copies, and the counts by mutation."""
+    """Outcome counts of ``trials`` mutated copies, and the counts by mutation (with NOTES:
+    how many we refused in whole or part, how many the library crashed or hung on)."""
     rng = random.Random(seed)
     if kind == "hdf5":
         original = make_hdf5(workdir / "original.h5")
@@ -428,10 +433,20 @@ def fuzz(workdir: Path, kind: str, trials: int, seed: int) -> tuple[dict, dict]:
     for path, what, have, ref in zip(paths, kinds, got, library, strict=True):
         outcome = classify(expected, have, ref)
         counts[outcome] += 1
-        by_kind.setdefault(what, dict.fromkeys(OUTCOMES, 0))[outcome] += 1
+        cells = by_kind.setdefault(what, dict.fromkeys((*OUTCOMES, *NOTES), 0))
+        cells[outcome] += 1
+        cells["of which refused"] += _refused(have)
+        cells["the library died"] += ref is None
         if outcome != OUTCOMES[0]:
             print(f"  {outcome}: {path.name} ({what})", file=sys.stderr)
     return counts, by_kind
+
+
+def _refused(got: dict | None) -> bool:
+    """Whether our reading refused the file, or some of its samples, with a PackError."""
+    if got is None:
+        return False
+    return got["open"] == "PackError" or "PackError" in got.get("samples", [])
 
 
 def _child(spec: str) -> None:
@@ -453,8 +468,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         _child(args.child)
         return
-    print("| users' files | mutation | trials | " + " | ".join(OUTCOMES) + " |")
-    print("|---|---|---|" + "---|" * len(OUTCOMES))
+    print("| users' files | mutation | trials | " + " | ".join((*OUTCOMES, *NOTES)) + " |")
+    print("|---|---|---|" + "---|" * (len(OUTCOMES) + len(NOTES)))
     for kind in args.kinds.split(","):
         with tempfile.TemporaryDirectory() as scratch:
             workdir = Path(args.keep or scratch) / kind
@@ -463,9 +478,10 @@ def main(argv: list[str] | None = None) -> None:
             counts, by_kind = fuzz(workdir, kind, args.trials, args.seed)
             seconds = time.perf_counter() - started
             for what, cells in sorted(by_kind.items()):
-                row = " | ".join(str(cells[name]) for name in OUTCOMES)
-                print(f"| {kind.upper()} | {what} | {sum(cells.values())} | {row} |")
-            row = " | ".join(str(counts[name]) for name in OUTCOMES)
+                row = " | ".join(str(cells[name]) for name in (*OUTCOMES, *NOTES))
+                print(f"| {kind.upper()} | {what} | {sum(cells[n] for n in OUTCOMES)} | {row} |")
+            notes = [sum(cells[name] for cells in by_kind.values()) for name in NOTES]
+            row = " | ".join(str(value) for value in [*counts.values(), *notes])
             print(
                 f"| {kind.upper()} | all | {args.trials} | {row} |  ({seconds:.0f} s)", flush=True
             )
