@@ -211,3 +211,15 @@ def test_pad_ragged_pads_with_values_the_dtype_holds():
     assert torch.isnan(floats["x"][0, 2]) and floats["x"].dtype == torch.float16
     with pytest.raises(TypeError, match="pad_value must be a number"):
         pad_ragged("0")
+
+
+@pytest.mark.parametrize(
+    "info, match",
+    [({"a": {1: 2}}, "dict key 1 \\(int\\)"), ({"a": nested(20)}, "deeper than 16")],
+)
+def test_metadata_the_reader_would_refuse_is_never_written(tmp_path, info, match):
+    from fastloader.formats import open_writer
+
+    with pytest.raises(TypeError, match=match):
+        open_writer(tmp_path / "m.lmdb", "lmdb", store="raw", classes=["a"], info=info)
+    assert not (tmp_path / "m.lmdb").exists()

@@ -58,14 +58,20 @@ def dump_exact(value: Any) -> bytes:
     Raises:
         ValueError: naming where in ``value`` (``["boxes"][2]``) and what is wrong.
     """
-    _check_exact(value, "", 0)
+    _check_exact(value, "", 0, tuples=False)
     try:
         return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
     except (TypeError, ValueError) as error:
         raise ValueError(f"not JSON-able ({error})") from None
 
 
-def _check_exact(value: Any, where: str, depth: int) -> None:
+def check_writable(value: Any) -> None:
+    """Raise ValueError, as ``dump_exact`` does, for dict keys that are not str or nesting
+    deeper than ``MAX_DEPTH``; tuples are let through (they are written as lists)."""
+    _check_exact(value, "", 0, tuples=True)
+
+
+def _check_exact(value: Any, where: str, depth: int, *, tuples: bool) -> None:
     if isinstance(value, (dict, list, tuple)):
         depth += 1
         if depth > MAX_DEPTH:
@@ -77,9 +83,9 @@ def _check_exact(value: Any, where: str, depth: int) -> None:
                     f"dict key {key!r} ({type(key).__name__}) at {where or 'top'}: JSON keys "
                     f"are str, it would come back {json.dumps(str(key))}"
                 )
-            _check_exact(item, f"{where}[{key!r}]", depth)
-    elif isinstance(value, tuple):
+            _check_exact(item, f"{where}[{key!r}]", depth, tuples=tuples)
+    elif isinstance(value, tuple) and not tuples:
         raise ValueError(f"a tuple at {where or 'top'}: JSON has lists, it would come back one")
-    elif isinstance(value, list):
+    elif isinstance(value, (list, tuple)):
         for at, item in enumerate(value):
-            _check_exact(item, f"{where}[{at}]", depth)
+            _check_exact(item, f"{where}[{at}]", depth, tuples=tuples)
