@@ -25,7 +25,12 @@ from fastloader.packing.worker import Encoded, encode_one
 #: The longest one image may take to decode and encode in a packer worker, by default.
 IMAGE_SECONDS = 120.0
 _CHUNK = 16  # items per message to a worker: IPC stays cheap, memory in flight stays small
-_DEATHS = 2  # an item whose worker dies this many times is skipped
+# An item whose worker dies this many times is skipped (listed, like an unreadable image).
+# Fewer tries than the loader's POISON_DEATHS (loader/supervision.py), on purpose: here a death
+# is blamed on one item (workers take one image at a time when retrying), and skipping costs
+# one image of a pack that lists it; the loader blames a whole task (a batch of samples) and
+# its verdict ends training, so it gives a death under memory pressure one more chance.
+_DEATHS = 2
 
 # NOTE [ Per-image limits when packing ]
 # One hostile image must cost one skip line, never the run (nor the machine):
