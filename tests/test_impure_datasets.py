@@ -77,19 +77,20 @@ class PrivateAndSparse(Dataset):
 
 
 class Counted(Dataset):
-    """Counts its ``__getitem__`` calls across processes; draws from numpy every 5th sample."""
+    """Counts the ``__getitem__`` calls of each index across processes; draws from numpy at
+    every 5th index from 40 on."""
 
-    def __init__(self, n: int, counter) -> None:
+    def __init__(self, n: int, counts) -> None:
         self.n = n
-        self.counter = counter
+        self.counts = counts
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i):
-        with self.counter.get_lock():
-            self.counter.value += 1
-        noise = np.random.rand() if i % 5 == 4 else 0.0
+        with self.counts.get_lock():
+            self.counts[i] += 1
+        noise = np.random.rand() if i >= 40 and i % 5 == 4 else 0.0
         return torch.tensor([float(i), noise], dtype=torch.float64)
 
 
@@ -121,14 +122,19 @@ def test_a_private_rng_beside_sparse_global_draws_gets_the_samples_of_always(num
 
 @pytest.mark.parametrize(("num_workers", "persistent"), [(0, False), (2, True), (2, False)])
 def test_getitem_runs_once_per_delivered_sample(num_workers, persistent):
-    counter = multiprocessing.Value("q", 0)
+    counts = multiprocessing.Array("q", 96)
     kwargs = {"num_workers": num_workers}
     if num_workers:
         kwargs["persistent_workers"] = persistent
-    with DataLoader(Counted(40, counter), batch_size=8, shuffle=True, seed=2, **kwargs) as loader:
+    with DataLoader(Counted(96, counts), batch_size=8, seed=2, **kwargs) as loader:
         delivered = sum(len(batch) for _ in range(3) for batch in loader)
-    assert delivered == 120
-    assert counter.value == 120  # persistent workers may prefetch the next epoch: none here
+    assert delivered == 3 * 96
+    calls = list(counts)
+    if num_workers and persistent:
+        # persistent workers load the first 2 * 2 batches of the next epoch ahead
+        assert calls[32:] == [3] * 64 and set(calls[:32]) <= {3, 4}
+    else:
+        assert calls == [3] * 96
 
 
 def test_a_dataset_that_starts_drawing_late_is_still_seeded_like_always():
