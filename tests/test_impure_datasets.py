@@ -25,7 +25,7 @@ from torch.utils.data import (
 )
 
 from fastloader import DataLoader, LMDBDataset
-from fastloader.samplers import BlockShuffleSampler
+from fastloader.sampling.samplers import BlockShuffleSampler
 
 
 def _same(a, b):

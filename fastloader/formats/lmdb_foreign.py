@@ -209,8 +209,8 @@ class LMDBFile(ForkSafeFile):
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         return self.read_many(indices)
 
-    def read_many(self, indices: Sequence[int]) -> list[Any]:
-        """Samples ``indices`` in order, in one read transaction.
+    def read_many(self, indices: Sequence[int], raw: bool = False) -> list[Any]:
+        """Samples ``indices`` in order, in one read transaction (their bytes with ``raw``).
 
         Raises:
             IndexError: for an index out of range.
@@ -229,7 +229,7 @@ class LMDBFile(ForkSafeFile):
                     values.append(bytes(txn.get(key)))
         except lmdb.Error as error:
             raise PackError(f"{self.path}: damaged LMDB environment ({error})") from None
-        if self.decode is None:
+        if self.decode is None or raw:
             return values
         return [self.decode(value) for value in values]
 

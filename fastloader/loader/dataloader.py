@@ -264,6 +264,8 @@ class DataLoader(TorchDataLoader[T_co]):
     def worker_pids(self) -> list[int]:
         """PIDs of the live worker processes (empty when none are running)."""
         pool = self._pool
+        if pool is None and isinstance(self._iterator, WorkerPoolIter):
+            pool = self._iterator  # this epoch's workers (persistent_workers=False)
         if pool is None or pool._shutdown:
             return []
         return pool.worker_pids

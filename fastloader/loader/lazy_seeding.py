@@ -325,7 +325,7 @@ class EachSampleSeeding:
             warnings.warn(
                 f"fastloader: the dataset used {names} in a batch of samples {rest[:4]!r}... "
                 f"after {self.memory.probed()} samples that did not: that batch was loaded "
-                'again with every RNG seeded (NOTE [ Lazy seeding ]). If __getitem__ caches, '
+                "again with every RNG seeded (NOTE [ Lazy seeding ]). If __getitem__ caches, "
                 'counts or keeps its own state, pass seed_rngs="always".',
                 RuntimeWarning,
                 stacklevel=2,
