@@ -2,7 +2,7 @@
 not copy the parent's heap, and the removal of partial files left by killed runs.
 
 ``start_pool_worker`` runs in the worker processes; everything else in the main process
-(NOTE [ Packer processes ] below; NOTE [ Atomic packing ] in packing.py). The pool itself is in
+(NOTE [ Packer processes ] below; NOTE [ Atomic packing ] in packing/pack.py). The pool itself is in
 ``packing/pool.py``, the end of the output file in ``packing/output.py``.
 """
 
