@@ -25,6 +25,7 @@ from torch.utils.data import (
 )
 
 from fastloader import DataLoader, LMDBDataset
+from fastloader.loader import lazy_seeding
 from fastloader.sampling.samplers import BlockShuffleSampler
 
 
@@ -137,30 +138,49 @@ def test_getitem_runs_once_per_delivered_sample(num_workers, persistent):
         assert calls == [3] * 96
 
 
-def test_a_dataset_that_starts_drawing_late_is_still_seeded_like_always():
-    class DrawsFromEpoch2(Dataset):
-        epoch = 0
+class DrawsFromEpoch2(Dataset):
+    """Draws from numpy at odd indices, only once told it is epoch 2 or later (after its
+    probe); counts its calls."""
 
-        def __len__(self):
-            return 24
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.calls = 0
 
-        def __getitem__(self, i):
-            noise = np.random.rand() if self.epoch >= 2 else 0.0
-            return torch.tensor([float(i), noise], dtype=torch.float64)
+    def __len__(self):
+        return 24
 
-    def run(mode):
-        dataset = DrawsFromEpoch2()
-        loader = DataLoader(dataset, batch_size=6, shuffle=True, seed=1, seed_rngs=mode)
-        epochs = []
-        for epoch in range(4):
-            dataset.epoch = epoch
-            epochs.append(list(loader))
-        return epochs
+    def __getitem__(self, i):
+        self.calls += 1
+        noise = np.random.rand() if self.epoch >= 2 and i % 2 else 0.0
+        return torch.tensor([float(i), noise], dtype=torch.float64)
 
-    expected = run("always")
-    with warnings.catch_warnings(record=True):
-        warnings.simplefilter("always")
-        assert _same(run("auto"), expected)
+
+def _late_epochs(dataset, mode):
+    loader = DataLoader(dataset, batch_size=6, seed=1, seed_rngs=mode)  # batches start even
+    epochs = []
+    for epoch in range(4):
+        dataset.epoch = epoch
+        epochs.append(list(loader))
+    return epochs
+
+
+def test_a_dataset_that_first_draws_after_its_probe_gets_always_samples_and_a_warning():
+    expected = _late_epochs(DrawsFromEpoch2(), "always")
+    dataset = DrawsFromEpoch2()
+    with pytest.warns(RuntimeWarning, match='seed_rngs="always"') as caught:
+        assert _same(_late_epochs(dataset, "auto"), expected)
+    assert len(caught) == 1  # once: from then on the RNG is seeded before every sample
+    assert dataset.calls == 4 * 24 + 5  # the batch where it was found, less its first sample
+
+
+def test_slow_samples_keep_every_rng_seeded_and_load_once(monkeypatch):
+    monkeypatch.setattr(lazy_seeding, "EAGER_ABOVE_S", 0.0)  # every dataset counts as slow
+    expected = _late_epochs(DrawsFromEpoch2(), "always")
+    dataset = DrawsFromEpoch2()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _same(_late_epochs(dataset, "auto"), expected)
+    assert dataset.calls == 4 * 24
 
 
 # -- torch's wrappers ----------------------------------------------------------------------
