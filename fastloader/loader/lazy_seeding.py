@@ -24,11 +24,11 @@ private RNG moves twice). So nothing is loaded twice while the loader is still l
 - **After the probe**, an RNG the dataset uses stays seeded before every sample; so do all
   three when a sample took ``EAGER_ABOVE_S`` or more on average (seeding is then 3 % of a
   sample or less, and nothing is left to chance). The others are *lazy*: every batch seeds all
-  three from its first sample's seed (so the first sample is the contract's, and the lazy RNGs
-  start from a known state without cached Gaussians), takes their fingerprints, loads the
-  other samples seeding only the used RNGs, and compares the fingerprints after. Unmoved, no
-  sample drew from a lazy RNG, so every sample is what it would have been had every RNG been
-  seeded before it: the batch is the contract's, bit for bit. The lazy RNGs are then seeded
+  three from its first sample's seed (so the first sample is the contract's), loads it, takes
+  the lazy RNGs' fingerprints, loads the other samples seeding only the used RNGs, and compares
+  the fingerprints after. Unmoved, no other sample drew from a lazy RNG, so every sample is
+  what it would have been had every RNG been seeded before it: the batch is the contract's, bit
+  for bit. The lazy RNGs are then seeded
   from the last sample's seed, so ``collate_fn`` sees the states eager seeding leaves (skipped
   for the default collate functions, which draw nothing).
 - **The one exception**: a dataset that first uses an RNG after its probe (it draws only for
@@ -234,7 +234,7 @@ class EachSampleSeeding:
                 append(getitem(index))
                 spent += perf_counter() - started
                 if unseen:
-                    unseen = self._unmoved(unseen, before)[0]
+                    unseen = self._unmoved(unseen, before)
         except Exception as error:
             annotate(error, indices[len(samples)], epoch)
             raise
@@ -246,29 +246,27 @@ class EachSampleSeeding:
         self.memory.record_probe(len(indices), spent)
         return samples
 
-    def _unmoved(self, rngs: list[int], before: list) -> tuple[list[int], list]:
-        """The RNGs of ``rngs`` whose fingerprint is still ``before``, and their fingerprints;
-        the others are marked used."""
-        still, fingerprints = [], []
+    def _unmoved(self, rngs: list[int], before: list) -> list[int]:
+        """The RNGs of ``rngs`` whose fingerprint is still ``before``; the others are used."""
+        still = []
         for rng, fingerprint in zip(rngs, before, strict=True):
             if FINGERPRINTS[rng]() == fingerprint:
                 still.append(rng)
-                fingerprints.append(fingerprint)
             else:
                 self.memory.mark_used(rng)
-        return still, fingerprints
+        return still
 
     def _lazily(self, getitem: Any, indices: list, epoch: int, lazy: list[int]) -> list:
         # See NOTE [ Lazy seeding ]: the first sample is seeded fully; the others only in the
         # RNGs the dataset uses. If a lazy RNG was drawn from, the batch is loaded again.
         seed_rngs(self._sample_seed(epoch, indices[0]))
-        before = [FINGERPRINTS[rng]() for rng in lazy]
         try:
             samples = [getitem(indices[0])]
         except Exception as error:
             annotate(error, indices[0], epoch)
             raise
-        lazy, before = self._unmoved(lazy, before)  # what the first sample used is used
+        # taken after the first sample: what it drew was seeded, and matters to no other
+        before = [FINGERPRINTS[rng]() for rng in lazy]
         rest = indices[1:]
         seeders = [SEEDERS[rng] for rng in range(len(SEEDERS)) if rng not in lazy]
         reads = self._reads.__enter__()
