@@ -338,21 +338,48 @@ def test_a_sample_that_reads_numpys_state_sees_its_own_seed(read):
 # -- users' files, workers, samplers -------------------------------------------------------
 
 
-def test_a_decode_that_draws_in_a_users_lmdb_is_seeded_per_sample(tmp_path):
+def _noisy(value: bytes):
+    return torch.tensor([float(value), torch.rand(1).item()], dtype=torch.float64)
+
+
+@pytest.fixture
+def noisy_lmdb(tmp_path):
+    """A user's LMDB environment of 12 values, read through a ``decode`` that draws."""
     env = lmdb.open(str(tmp_path / "env"))
     with env.begin(write=True) as txn:
         for i in range(12):
             txn.put(b"%03d" % i, b"%d" % i)
     env.close()
+    return LMDBDataset(tmp_path / "env", decode=_noisy)
 
-    def noisy(value: bytes):
-        return torch.tensor([float(value), torch.rand(1).item()], dtype=torch.float64)
 
-    dataset = LMDBDataset(tmp_path / "env", decode=noisy)
-    one = torch.cat(list(DataLoader(dataset, batch_size=1, seed=4)))
-    four = torch.cat(list(DataLoader(dataset, batch_size=4, seed=4)))
+def test_a_decode_that_draws_in_a_users_lmdb_is_seeded_per_sample(noisy_lmdb):
+    one = torch.cat(list(DataLoader(noisy_lmdb, batch_size=1, seed=4)))
+    four = torch.cat(list(DataLoader(noisy_lmdb, batch_size=4, seed=4)))
     assert torch.equal(one, four)
     assert len(set(four[:, 1].tolist())) == 12  # each sample its own draw
+
+
+def test_subsets_of_a_batch_reader_keep_batch_reads_and_per_sample_seeds(noisy_lmdb, monkeypatch):
+    whole = torch.cat(list(DataLoader(noisy_lmdb, batch_size=4, seed=4)))
+    reads = []
+    read_many = type(noisy_lmdb).read_many
+    monkeypatch.setattr(
+        type(noisy_lmdb),
+        "read_many",
+        lambda self, *a, **k: reads.append(1) or read_many(self, *a, **k),
+    )
+    subset = torch.cat(list(DataLoader(Subset(noisy_lmdb, range(12)), batch_size=4, seed=4)))
+    assert torch.equal(subset, whole)  # Subset(ds, range(n))[i] is ds[i]
+    assert len(reads) == 3  # one read per batch
+    train = random_split(noisy_lmdb, [8, 4], generator=torch.Generator().manual_seed(0))[0]
+    nested = Subset(train, [0, 0, 5, 5, 2])  # a sample read twice gets two seeds
+    for dataset in (train, nested):
+        one = torch.cat(list(DataLoader(dataset, batch_size=1, seed=4)))
+        many = torch.cat(list(DataLoader(dataset, batch_size=5, seed=4)))
+        assert torch.equal(one, many)
+    draws = torch.cat(list(DataLoader(nested, batch_size=5, seed=4)))[:, 1].tolist()
+    assert draws[0] != draws[1] and draws[2] != draws[3]
 
 
 def test_worker_pids_lists_live_workers_without_persistent_workers():

@@ -80,6 +80,20 @@ def seeding_options(loader: Any) -> dict[str, Any]:
     }
 
 
+def batch_reader(dataset: Any) -> tuple[Any, list]:
+    """The ``getitems_with`` dataset that ``dataset`` is, or that torch Subsets (nested,
+    as ``random_split`` makes them) select from, and the Subsets' index lists, outermost first;
+    ``(None, [])`` for other datasets."""
+    layers = []
+    inner = dataset
+    while getattr(type(inner), "__getitems__", None) is Subset.__getitems__:
+        layers.append(inner.indices)
+        inner = inner.dataset
+    if callable(getattr(inner, "getitems_with", None)):
+        return inner, layers
+    return None, []
+
+
 def loads_each_sample(dataset: Any) -> bool:
     """Whether ``dataset[i]`` is called for each sample, rather than ``__getitems__`` once.
 
@@ -181,7 +195,9 @@ class SeededDataset:
         self.slot = 0  # set in each worker by _WorkerInit
         self.seed_rngs = resolve_seed_rngs(seed_rngs)
         self.collate_may_draw = collate_may_draw
-        self._seeds_each_in_batch = callable(getattr(dataset, "getitems_with", None))
+        # a dataset that seeds each sample of a batch read (getitems_with), maybe under Subsets
+        self._reader, self._subsets = batch_reader(dataset)
+        self._seeds_each_in_batch = self._reader is not None
         self._batched = not self._seeds_each_in_batch and not loads_each_sample(dataset)
         self._each = EachSampleSeeding(  # NOTE [ Lazy seeding ]
             seed,
@@ -244,14 +260,23 @@ class SeededDataset:
         key = _epoch_key(self.seed, epoch)
         seeds_on = self.seed_rngs != "never"
         current: list = [indices]
+        read = indices
+        outer: dict = {}  # under Subsets: read index -> the loader's indices, in batch order
+        for layer in self._subsets:
+            read = [layer[index] for index in read]
+        if self._subsets:
+            for index, inner in zip(indices, read, strict=True):
+                outer.setdefault(inner, []).append(index)
 
         def seed_sample(index: Any) -> None:
+            if outer:
+                index = outer[index].pop(0)  # seeded by the index the sampler gave
             current[0] = index
             if seeds_on:
                 seed_rngs(_mix64(key ^ _index_key(index)))  # == sample_seed(seed, epoch, index)
 
         try:
-            return self.dataset.getitems_with(indices, seed_sample)
+            return self._reader.getitems_with(read, seed_sample)
         except Exception as error:
             annotate(error, current[0], epoch)
             raise
