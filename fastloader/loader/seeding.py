@@ -28,7 +28,9 @@ Which RNGs are seeded before each sample, and how that stays cheap: NOTE [ Lazy 
 ``lazy_seeding.py``. torch's wrappers (``Subset``, ``random_split``'s subsets, ``StackDataset``;
 ``ConcatDataset`` has no ``__getitems__``) only fan a batch out to the datasets they wrap:
 over datasets loaded per sample they are loaded per sample too, each sample under its own seed
-(``loads_each_sample``), so a sample does not depend on the batch it falls in.
+(``loads_each_sample``), so a sample does not depend on the batch it falls in; Subsets of a
+``getitems_with`` dataset keep its one read per batch, each sample seeded by the index the
+sampler gave (``batch_reader``).
 
 Everything in this module except ``resolve_seed`` runs in the process that loads data.
 """
