@@ -136,3 +136,18 @@ class LMDBFileDataset(_SampleTransforms, LMDBFile, Dataset):
     ) -> None:
         LMDBFile.__init__(self, path, keys, decode)
         self.transform = transform
+
+    def getitems_with(
+        self, indices: Sequence[int], before_each: Callable[[int], None] | None
+    ) -> list:
+        if self.decode is None:
+            return super().getitems_with(indices, before_each)
+        # decode is the user's code, as transform is: run per sample, after before_each (the
+        # loader seeds each sample there: NOTE [ Seeding contract ])
+        out = []
+        for index, value in zip(indices, self.read_many(indices, raw=True), strict=True):
+            if before_each is not None:
+                before_each(index)
+            sample = self.decode(value)
+            out.append(sample if self.transform is None else self.transform(sample))
+        return out

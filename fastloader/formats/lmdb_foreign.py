@@ -177,8 +177,10 @@ class LMDBFile(ForkSafeFile):
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         return self.read_many(indices)
 
-    def read_many(self, indices: Sequence[int]) -> list[Any]:
-        """Samples ``indices`` in order (NOTE [ Foreign LMDB environments ]).
+    def read_many(self, indices: Sequence[int], raw: bool = False) -> list[Any]:
+        """Samples ``indices`` in order, their bytes with ``raw``.
+
+        See NOTE [ Foreign LMDB environments ].
 
         Raises:
             IndexError: for an index out of range.
@@ -190,7 +192,7 @@ class LMDBFile(ForkSafeFile):
         view = handle.map
         starts, sizes = self._starts, self._sizes
         values = [view[starts[row] : starts[row] + sizes[row]] for row in rows]
-        if self.decode is None:
+        if self.decode is None or raw:
             return values
         return [self.decode(value) for value in values]
 

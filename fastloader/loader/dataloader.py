@@ -77,9 +77,10 @@ class DataLoader(TorchDataLoader[T_co]):
             it (a model initialised after building the loader is the same as with torch).
             Iterating neither draws from it (torch draws a worker seed per ``iter()``). The
             attribute holds the seed in use.
-        seed_rngs: "auto" (default) seeds each RNG before a sample only once the dataset has
-            been seen drawing from it in that process (same samples as seeding every time;
-            see docs/diagnosis.md); "always" (or True) seeds all three before every sample;
+        seed_rngs: "auto" (default) gives the samples of "always", calling ``dataset[i]``
+            once each, but seeds an RNG the dataset was not seen using in its first samples
+            once per batch only (see docs/diagnosis.md for its one exception); "always" (or
+            True) seeds all three before every sample;
             "never" (or False) leaves the RNGs alone, as torch does: for datasets without
             randomness, or that seed their own generators.
         distributed: shard the dataset across the ranks of the initialised
@@ -264,6 +265,8 @@ class DataLoader(TorchDataLoader[T_co]):
     def worker_pids(self) -> list[int]:
         """PIDs of the live worker processes (empty when none are running)."""
         pool = self._pool
+        if pool is None and isinstance(self._iterator, WorkerPoolIter):
+            pool = self._iterator  # this epoch's workers (persistent_workers=False)
         if pool is None or pool._shutdown:
             return []
         return pool.worker_pids
