@@ -145,7 +145,8 @@ def _check_settings(mix: Any, saved: dict[str, Any]) -> None:
     }
     for key, value in here.items():
         if saved[key] != value:
-            _refuse(f"mix.{key} differs (state: {saved[key]!r}, this Mix: {value!r})")
+            hint = " (pass samples_per_epoch= to keep it)" if key == "samples_per_epoch" else ""
+            _refuse(f"mix.{key} differs (state: {saved[key]!r}, this Mix: {value!r}){hint}")
 
 
 def _check_sources(mix: Any, saved: dict[str, Any]) -> bool:
@@ -183,8 +184,8 @@ def merge_history(mix: Any, saved: dict[str, Any], position: int) -> History:
     Raises:
         ValueError: naming the field or source that makes an exact resume impossible.
     """
+    changed = _check_sources(mix, saved)  # by name first: the clearest message
     _check_settings(mix, saved)
-    changed = _check_sources(mix, saved)
     past = [
         (start, dict(weights), how)
         for start, how, weights in saved["weights"]
@@ -193,8 +194,15 @@ def merge_history(mix: Any, saved: dict[str, Any], position: int) -> History:
     if changed:
         future = [(s, w, h) for s, w, h in mix.plan if s > position]
         return [*past, (position, dict(mix.plan[0][1]), "resume"), *future]
-    planned_before = [(s, w) for s, w, h in mix.plan if s < position]
-    saved_before = [(s, w) for s, h, w in saved["weights"] if s < position and h in HOW[:2]]
+    # the Mix's plan took over at the last reweighted resume (or at 0): compare from there
+    took_over = max([s for s, h, _ in saved["weights"] if h == "resume" and s <= position] or [0])
+    plan = [(took_over, mix.plan[0][1])] + [(s, w) for s, w, _ in mix.plan[1:] if s > took_over]
+    planned_before = [(s, w) for s, w in plan if s < position]
+    saved_before = [
+        (s, w)
+        for s, h, w in saved["weights"]
+        if took_over <= s < position and h in ("init", "schedule", "resume")
+    ]
     for (start, theirs), (_, ours) in zip(saved_before, planned_before, strict=False):
         if theirs != ours:
             _refuse(
@@ -202,10 +210,10 @@ def merge_history(mix: Any, saved: dict[str, Any], position: int) -> History:
                 f"{_short(ours)}); the draws made so far depend on them"
             )
     if len(saved_before) != len(planned_before):
-        starts = [s for s, _ in saved_before] or [0]
         _refuse(
             f"mix.weights: the state's schedule before position {position} changes weights at "
-            f"{starts[:5]}, this Mix's at {[s for s, _ in planned_before][:5]}"
+            f"{[s for s, _ in saved_before][:5]}, this Mix's at "
+            f"{[s for s, _ in planned_before][:5]}"
         )
     taken = {start for start, _, _ in past}  # a set_weights call wins over the plan
     future = [(s, w, h) for s, w, h in mix.plan if s >= position and s not in taken]
