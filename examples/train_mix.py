@@ -85,12 +85,8 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def main() -> None:
-    args = parse_args()
-    distributed = "RANK" in os.environ  # under torchrun
-    if distributed:
-        dist.init_process_group("gloo")
-    rank = dist.get_rank() if distributed else 0
+def build(args: argparse.Namespace, distributed: bool, rank: int) -> tuple:
+    """The mix of three token sources, its loader, a tiny model and its optimizer."""
     folder = Path(args.data or Path(tempfile.gettempdir(), "fastloader-example-tokens"))
     if rank == 0:
         make_sources(folder)
@@ -108,7 +104,26 @@ def main() -> None:
     model = nn.Sequential(nn.Embedding(VOCAB, 32), nn.Linear(32, VOCAB))
     if distributed:
         model = DistributedDataParallel(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return loader, model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> float:
+    """One next-token prediction step; returns the loss."""
+    logits = model(tokens[:, :-1])
+    loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def main() -> None:
+    args = parse_args()
+    distributed = "RANK" in os.environ  # under torchrun
+    if distributed:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if distributed else 0
+    loader, model, optimizer = build(args, distributed, rank)
 
     step = 0
     if args.resume:  # any world size, worker count or batch size: the state counts samples
@@ -122,13 +137,8 @@ def main() -> None:
             print(f"resumed at step {step}, epoch {loader.epoch}, sample {at} of the epoch")
     log = open(f"{args.log_identities}.rank{rank}", "a") if args.log_identities else None
     for epoch in range(loader.epoch, args.epochs):
-        for batch in loader:  # a MixSample: .source (names), .index, .sample (the tokens)
-            tokens = batch.sample
-            logits = model(tokens[:, :-1])
-            loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+        for batch in loader:  # a MixSample: .sample (the tokens), .source (names), .index
+            loss = train_step(model, optimizer, batch.sample)
             if log is not None:
                 rows = list(zip(batch.source, batch.index.tolist(), strict=True))
                 log.write(json.dumps([epoch, loader.state_dict()["position"], rows]) + "\n")
@@ -139,14 +149,16 @@ def main() -> None:
             if step == args.stop_after:
                 if rank == 0:
                     print(f"stopped after step {step}; run again with --resume")
-                loader.close()
-                if distributed:
-                    dist.destroy_process_group()
-                return
-        if rank == 0:
-            shares = loader.stats.last.source_shares  # realised: over every rank
-            text = ", ".join(f"{name} {100 * share:.0f}%" for name, share in shares.items())
-            print(f"epoch {epoch}: loss {loss.item():.3f}, step {step}, sources {text}")
+                break
+        else:
+            if rank == 0:
+                shares = loader.stats.last.source_shares  # realised: over every rank
+                text = ", ".join(f"{name} {100 * share:.0f}%" for name, share in shares.items())
+                print(f"epoch {epoch}: loss {loss:.3f}, step {step}, sources {text}")
+            continue
+        break  # stopped early
+    if log is not None:
+        log.close()
     loader.close()
     if distributed:
         dist.destroy_process_group()

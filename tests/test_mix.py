@@ -268,3 +268,16 @@ def test_gloo_ranks_resume_4_to_3_workers_2_to_0_batch_64_to_48_across_weight_ch
         assert rank["eval"] == [
             f"{s}:{i}" for s, n in (("a", 10), ("b", 23), ("c", 1)) for i in range(n)
         ]
+
+
+def test_a_distributed_state_resumes_a_single_process_loader():
+    from fastloader.sampling.mix_samplers import ElasticMixSampler
+
+    mix = three()
+    rank0 = DataLoader(mix, batch_size=8, sampler=ElasticMixSampler(mix, 8, 2, 0), seed=3)
+    epoch_rows(rank0, steps=3)  # 3 global steps of 2 ranks x 8: 48 samples seen
+    state = json.loads(json.dumps(rank0.state_dict()))
+    assert state["position"] == 48
+    single = DataLoader(three(), batch_size=10, seed=3)
+    single.load_state_dict(state)
+    assert epoch_rows(single) == epoch_rows(DataLoader(three(), batch_size=10, seed=3))[48:]

@@ -106,6 +106,17 @@ def check_mix_state(mix: Any) -> None:
     for key in _FIELDS:
         if key not in mix:
             _fail(f"mix.{key}", "is missing")
+    _check_settings_fields(mix)
+    _check_sources_field(mix["sources"])
+    segments = mix["weights"]
+    if not isinstance(segments, list) or not 0 < len(segments) <= _MAX_SEGMENTS:
+        _fail("mix.weights", f"must be a list of 1 to {_MAX_SEGMENTS} weight segments")
+    previous = -1
+    for j, segment in enumerate(segments):
+        previous = _check_segment(j, segment, previous)
+
+
+def _check_settings_fields(mix: dict[str, Any]) -> None:
     if not _is_int(mix["seed"], -(2**63), 2**64 - 1):
         _fail("mix.seed", "must be an int of at most 64 bits")
     if mix["policy"] not in POLICIES:
@@ -116,19 +127,15 @@ def check_mix_state(mix: Any) -> None:
         _fail("mix.shuffle", "must be a bool")
     if not _is_int(mix["samples_per_epoch"], 1, _MAX_COUNT):
         _fail("mix.samples_per_epoch", "must be a positive int")
-    sources = mix["sources"]
+
+
+def _check_sources_field(sources: Any) -> None:
     if not isinstance(sources, dict) or not 0 < len(sources) <= _MAX_SOURCES:
         _fail("mix.sources", f"must be a dict of 1 to {_MAX_SOURCES} source name -> size")
     for name, size in sources.items():
         _check_name("mix.sources", name)
         if not _is_int(size, 1, _MAX_COUNT):
             _fail(f"mix.sources[{name[:40]!r}]", "must be a positive int (the source's size)")
-    segments = mix["weights"]
-    if not isinstance(segments, list) or not 0 < len(segments) <= _MAX_SEGMENTS:
-        _fail("mix.weights", f"must be a list of 1 to {_MAX_SEGMENTS} weight segments")
-    previous = -1
-    for j, segment in enumerate(segments):
-        previous = _check_segment(j, segment, previous)
 
 
 def _refuse(problem: str) -> None:
