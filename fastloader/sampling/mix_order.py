@@ -53,7 +53,13 @@ from typing import Any
 import numpy as np
 
 from fastloader.sampling.interleave import Interleave, quantize
-from fastloader.sampling.permutation import mix_array, permutation_key, permute_many, round_keys
+from fastloader.sampling.permutation import (
+    domain_bits,
+    mix_array,
+    permutation_key,
+    permute_many,
+    round_keys,
+)
 
 __all__ = ["ENDLESS", "INTERLEAVES", "POLICIES", "MixOrder"]
 
@@ -93,6 +99,7 @@ class MixOrder:
         self.index = {name: s for s, name in enumerate(self.names)}
         self.offsets = np.cumsum([0, *self.sizes]).astype(np.int64)
         self.total = int(self.offsets[-1])
+        self._bits = np.asarray([domain_bits(max(1, n)) for n in self.sizes], dtype=np.uint64)
         self.seed = int(seed)
         self.policy = policy
         self.interleave = interleave
@@ -218,12 +225,16 @@ class MixOrder:
         return source, index, code
 
     def _permuted(self, passes, source, epoch, offset, sizes) -> np.ndarray:
-        # one key per (pass, source, source epoch) present; a block holds a few of them
+        # one key per (pass, source, source epoch) present; a block holds a few of them, so a
+        # dense table of the (small) range of group numbers replaces a sort
         low_p, low_q = int(passes.min()), int(epoch.min())
         span_q = int(epoch.max()) - low_q + 1
         count = len(self.names)
         combined = ((passes - low_p) * count + source) * span_q + (epoch - low_q)
-        groups, which = np.unique(combined, return_inverse=True)
+        present = np.zeros(int(combined.max()) + 1, dtype=np.int64)
+        present[combined] = 1
+        groups = np.flatnonzero(present)
+        present[groups] = np.arange(len(groups))
         table = []
         for group in groups.tolist():
             rest, q = divmod(group, span_q)
@@ -231,7 +242,7 @@ class MixOrder:
             key = permutation_key(self.seed, self.names[s], p + low_p, q + low_q)
             table.append(round_keys(key))
         keys = np.asarray(table, dtype=np.uint64)
-        return permute_many(offset, sizes, keys[which.ravel()].T)
+        return permute_many(offset, sizes, keys[present[combined]].T, self._bits[source])
 
     def _hashed(self, passes, source, draw, sizes) -> np.ndarray:
         keys = np.asarray([permutation_key(self.seed, name) for name in self.names], np.uint64)

@@ -32,7 +32,14 @@ import zlib
 
 import numpy as np
 
-__all__ = ["permutation_key", "permute", "permute_many", "round_keys", "splitmix64"]
+__all__ = [
+    "domain_bits",
+    "permutation_key",
+    "permute",
+    "permute_many",
+    "round_keys",
+    "splitmix64",
+]
 
 _MASK64 = (1 << 64) - 1
 _ROUNDS = 6
@@ -96,7 +103,9 @@ def _network(x: np.ndarray, bits: np.ndarray, keys: np.ndarray) -> np.ndarray:
     return x
 
 
-def permute_many(offsets: np.ndarray, sizes: np.ndarray, keys: np.ndarray) -> np.ndarray:
+def permute_many(
+    offsets: np.ndarray, sizes: np.ndarray, keys: np.ndarray, bits: np.ndarray | None = None
+) -> np.ndarray:
     """``permute`` of each offset with its own size and key, in one vectorised pass.
 
     Args:
@@ -104,15 +113,17 @@ def permute_many(offsets: np.ndarray, sizes: np.ndarray, keys: np.ndarray) -> np
         sizes: the size of each offset's permutation (at least 1).
         keys: uint64 array of shape ``(_ROUNDS, len(offsets))``: each offset's round keys
             (``round_keys``).
+        bits: ``domain_bits(size)`` of each offset, if the caller has them at hand.
 
     Returns:
         An int64 array: the permuted values.
     """
     x = np.asarray(offsets, dtype=np.uint64).copy()
     sizes = np.asarray(sizes, dtype=np.uint64)
-    distinct, which = np.unique(sizes, return_inverse=True)
-    bits = np.asarray([max(1, (int(n) - 1).bit_length()) for n in distinct], dtype=np.uint64)
-    bits = bits[which.ravel()]
+    if bits is None:
+        distinct, which = np.unique(sizes, return_inverse=True)
+        table = np.asarray([domain_bits(int(n)) for n in distinct], dtype=np.uint64)
+        bits = table[which.ravel()]
     x = _network(x, bits, keys)
     outside = np.flatnonzero(x >= sizes)
     while outside.size:  # cycle walking: back into [0, n) along the bijection's cycle
@@ -121,6 +132,11 @@ def permute_many(offsets: np.ndarray, sizes: np.ndarray, keys: np.ndarray) -> np
         outside = outside[walked >= sizes[outside]]
     x[sizes <= 1] = 0
     return x.astype(np.int64)
+
+
+def domain_bits(n: int) -> int:
+    """Bits of the network's domain for ``range(n)``: ``2**bits`` is below ``2n``."""
+    return max(1, (int(n) - 1).bit_length())
 
 
 def permute(offsets: np.ndarray, n: int, key: int) -> np.ndarray:
