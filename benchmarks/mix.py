@@ -40,8 +40,8 @@ from fastloader.sampling.mix_order import MixOrder
 SIZES = {
     #        rounds, index samples (largest source), token windows (largest source)
     "tiny": (2, 2048, 64),
-    "quick": (5, 65_536, 512),
-    "full": (9, 131_072, 1024),
+    "quick": (5, 65_536, 1024),
+    "full": (11, 131_072, 4096),
 }
 PARTS = {"a": 4, "b": 2, "c": 1}  # relative source sizes
 WORKERS = 2
