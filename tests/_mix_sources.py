@@ -39,7 +39,8 @@ class Sized(Dataset):
 
 
 SIXTEEN = {f"s{i:02d}": int(n) for i, n in enumerate(np.geomspace(1e3, 1e6, 16))}
-WEIGHTS = {name: float(w) for name, w in zip(SIXTEEN, np.linspace(1.0, 4.0, 16)[::-1], strict=True)}
+# generic weights (shares times 1000 are not integers, which would make windows easy)
+WEIGHTS = {name: float(w) for name, w in zip(SIXTEEN, np.geomspace(4.0, 1.0, 16), strict=True)}
 EQUAL = dict.fromkeys(SIXTEEN, 1.0)
 
 

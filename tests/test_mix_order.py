@@ -50,7 +50,8 @@ def test_every_window_of_1000_holds_each_sources_share_within_one_sample_of_roun
     # every window's count is floor or ceil of the share, give or take one sample
     assert (windows >= np.floor(expected) - 1).all() and (windows <= np.ceil(expected) + 1).all()
     assert np.abs(windows - expected).max() < 2
-    assert np.abs(windows - expected).mean() < 0.6
+    within_rounding = (windows >= np.floor(expected)) & (windows <= np.ceil(expected))
+    assert within_rounding.mean() > 0.95  # almost always floor or ceil of the share
 
 
 def test_the_interleave_counts_match_its_assignment():

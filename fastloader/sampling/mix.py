@@ -89,10 +89,10 @@ class Mix(Dataset):
     Item ``i`` of the loader's order is a ``MixSample(sample, source, index)`` (or the bare
     sample with ``with_source=False``). The order is a pure function of (seed, position):
     each source is read in shuffled epochs of its own, and by default every window of ``N``
-    samples holds each source's share ``w N`` to within less than 2 samples (NOTE [ The
-    interleave ]). ``fastloader.DataLoader`` reads it in that order (any ``shuffle``), with
-    per-sample seeding, and resumes it exactly with another world size, worker count or
-    batch size (``loader.state_dict()`` carries the mix).
+    samples holds each source's share ``w N`` to within about 2 samples, almost always
+    ``floor`` or ``ceil`` of it (NOTE [ The interleave ]). ``fastloader.DataLoader`` reads it
+    in that order (any ``shuffle``), with per-sample seeding, and resumes it exactly with
+    another world size, worker count or batch size (``loader.state_dict()`` carries the mix).
 
     Args:
         sources: name -> map-style dataset (a pack, a user's HDF5/LMDB file, any Dataset with
