@@ -31,10 +31,10 @@ the node's position where ``c`` steps to ``m + 1``; its right child's is the res
   Measured on 16 sources with weights from 4 to 1 (geometric) over 200 000 windows of 1000
   positions: every count within ``floor(w N) - 1 .. ceil(w N) + 1``, 97.9 % of them exactly
   ``floor`` or ``ceil``, the largest deviation 1.62 samples (tests/test_mix_order.py).
-  A bound of 1 for every source and every weight vector is
-  impossible: words in which every window holds ``floor`` or ``ceil`` of each share exist
-  only for special weights with three or more distinct ones (Fraenkel's conjecture, proved
-  for up to 7 letters).
+  A bound of 1 for every source and every weight vector is impossible: with three or more
+  sources of pairwise distinct shares, a sequence in which every window holds ``floor`` or
+  ``ceil`` of each share exists only for the shares ``2**(k-1), ..., 2, 1`` over ``2**k - 1``
+  (Fraenkel's conjecture, proved up to 7 sources).
 
 Weights are integers here (``quantize``: parts in 2**20 of the total), so the arithmetic is
 exact in uint64 up to ``MAX_POSITION`` positions per segment, and identical in every process.
