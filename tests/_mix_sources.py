@@ -64,3 +64,22 @@ def identities(mix: Mix, codes) -> list[tuple[str, int]]:
         s, index = mix.order.decode(int(code))
         out.append((mix.order.names[s], index))
     return out
+
+
+class DiesOnce(Numbered):
+    """Numbered, but the first worker that loads sample ``fatal`` dies (SIGKILL): once, as a
+    file records it."""
+
+    def __init__(self, n: int, fatal: int, marker: str) -> None:
+        super().__init__(n)
+        self.fatal, self.marker = fatal, marker
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        import os
+        import signal
+
+        if i == self.fatal and torch.utils.data.get_worker_info() is not None:
+            if not os.path.exists(self.marker):
+                open(self.marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(i)

@@ -281,3 +281,16 @@ def test_a_distributed_state_resumes_a_single_process_loader():
     single = DataLoader(three(), batch_size=10, seed=3)
     single.load_state_dict(state)
     assert epoch_rows(single) == epoch_rows(DataLoader(three(), batch_size=10, seed=3))[48:]
+
+
+def test_a_worker_killed_by_a_source_is_replaced_and_the_epoch_is_unchanged(tmp_path):
+    from _mix_sources import DiesOnce
+
+    def mix(marker: str) -> Mix:
+        sources = {"web": Numbered(300), "code": DiesOnce(120, 7, marker), "math": Numbered(40)}
+        return Mix(sources, WEIGHTS)
+
+    clean = epoch_rows(DataLoader(mix(str(tmp_path / "unused")), batch_size=10, seed=3))
+    with DataLoader(mix(str(tmp_path / "died")), batch_size=10, seed=3, num_workers=2) as loader:
+        assert epoch_rows(loader) == clean
+    assert (tmp_path / "died").exists()  # a worker did die
