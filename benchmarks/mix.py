@@ -9,6 +9,10 @@ turns epoch by epoch; each ratio is the median of per-round ratios of samples/s:
 - ``index``: ``dataset[i]`` returns ``i`` (batch 256): mixing's cost per sample, exposed;
 - ``tokens``: 2048-token windows from a uint16 memmap (batch 16), as in LLM pre-training.
 
+Wall time on a loaded 2-core machine swings by tens of percent between rounds, so the same
+comparison is also made in CPU time (``time.process_time``) of one process loading everything
+(``num_workers=0``): what mixing adds to the work, whoever does it.
+
 The order alone (no loader): microseconds per sample to map positions to samples (the
 samplers do it in the main process, 8192 at a time), ``draws_before`` at position 5e7 (a
 resume there), ``state_dict`` of a loader over 16 sources (time and JSON size), and the order's
@@ -80,6 +84,41 @@ def _compare(name: str, sources: dict[str, Dataset], batch: int, rounds: int) ->
     return row
 
 
+def _cpu_rows(name: str, sources: dict[str, Dataset], batch: int, rounds: int) -> dict:
+    """CPU seconds per epoch with ``num_workers=0`` (``time.process_time``): all the loading
+    work in one process, less sensitive than wall time to a loaded machine."""
+    note(f"{name}, CPU time, 0 workers")
+    common = dict(batch_size=batch, num_workers=0, seed=0)
+    sizes = {key: float(len(ds)) for key, ds in sources.items()}
+    loaders = {
+        "concat": DataLoader(ConcatDataset(list(sources.values())), shuffle=True, **common),
+        "mix": DataLoader(Mix(sources, sizes), **common),
+        "mix_bare": DataLoader(Mix(sources, sizes, with_source=False), **common),
+    }
+    seconds: dict[str, list[float]] = {key: [] for key in loaders}
+    for loader in loaders.values():
+        _cpu_epoch(loader)  # warm-up
+    names = list(loaders)
+    for round_ in range(rounds):
+        shift = round_ % len(names)
+        for key in names[shift:] + names[:shift]:
+            seconds[key].append(_cpu_epoch(loaders[key]))
+    samples = sum(len(ds) for ds in sources.values())
+    row: dict[str, Any] = {"dataset": name, "num_workers": 0, "batch_size": batch}
+    for key, times in seconds.items():
+        row[f"{key}_cpu_us_per_sample"] = round(statistics.median(times) / samples * 1e6, 3)
+    for key in ("mix", "mix_bare"):
+        row[f"vs_concat_{key}"] = round(paired_ratio(seconds["concat"], seconds[key]), 4)
+    return row
+
+
+def _cpu_epoch(loader: Any) -> float:
+    started = time.process_time()
+    for _ in loader:
+        pass
+    return time.process_time() - started
+
+
 def _order_costs() -> dict[str, Any]:
     """The order alone: mapping, a far resume, the state, memory (no loader running)."""
     sizes = {f"s{i:02d}": int(n) for i, n in enumerate(np.geomspace(1e3, 1e6, 16))}
@@ -134,6 +173,10 @@ def run(size: str, workdir: Path) -> dict:
         for name, part, offset in _offsets(windows)
     }
     rows.append(_compare("tokens", token_sources, 16, rounds))
+    cpu_rows = [
+        _cpu_rows("index", _sources(IndexDataset, index_largest), 256, rounds),
+        _cpu_rows("tokens", token_sources, 16, rounds),
+    ]
     note("the order alone")
     order = _order_costs()
     ratios = {
@@ -145,6 +188,7 @@ def run(size: str, workdir: Path) -> dict:
         "comparison": "mix",
         "config": {"rounds": rounds, "workers": WORKERS, "parts": PARTS},
         "rows": rows,
+        "cpu_rows": cpu_rows,
         "order_rows": [order],
         "ratios": ratios,
         "notes": [
@@ -152,6 +196,8 @@ def run(size: str, workdir: Path) -> dict:
             f"of per-round ratios ({rounds} interleaved rounds after a warm-up epoch); 1.00x is "
             "no cost",
             f"load average at the start: {load:.2f} (a shared machine: ratios, not times)",
+            "cpu: CPU seconds of the one process that loads (num_workers=0), per sample; "
+            "vs_concat_* = the concatenation's CPU time over the mix's (1.00x: no cost)",
             "order: mapping cost per sample in the main process, a resume at 5e7, state_dict "
             "of a loader over 16 sources, memory for 16 sources of 1e8 samples",
         ],
