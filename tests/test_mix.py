@@ -294,3 +294,25 @@ def test_a_worker_killed_by_a_source_is_replaced_and_the_epoch_is_unchanged(tmp_
     with DataLoader(mix(str(tmp_path / "died")), batch_size=10, seed=3, num_workers=2) as loader:
         assert epoch_rows(loader) == clean
     assert (tmp_path / "died").exists()  # a worker did die
+
+
+@pytest.mark.parametrize(
+    "sample",
+    [
+        lambda i: torch.full((3,), float(i)),
+        lambda i: {"x": torch.tensor([i, i]), "label": i},
+        lambda i: (torch.tensor(float(i)), i % 3),
+        lambda i: i,
+    ],
+    ids=["tensor", "dict", "tuple", "int"],
+)
+def test_the_loaders_collate_of_mix_samples_equals_torchs_default_collate(sample):
+    from torch.utils.data import default_collate as torch_collate
+
+    from fastloader.loader.mixing import MixCollate
+
+    batch = [MixSample(sample(i), ("web", "code")[i % 2], 10 * i) for i in range(5)]
+    ours, theirs = MixCollate(torch_collate)(batch), torch_collate(batch)
+    assert type(ours) is MixSample and ours.source == theirs.source
+    assert ours.index.dtype == theirs.index.dtype and torch.equal(ours.index, theirs.index)
+    assert repr(ours.sample) == repr(theirs.sample)

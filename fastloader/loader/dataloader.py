@@ -152,7 +152,7 @@ class DataLoader(TorchDataLoader[T_co]):
                 default_collate,  # names ragged fields in its error
             )
 
-            collate_fn = default_collate
+            collate_fn = mixing.collate_for(dataset, default_collate)  # a Mix's: its fields
         super().__init__(
             dataset,
             batch_size=batch_size,

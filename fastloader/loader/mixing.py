@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+import torch
+
 from fastloader.loader.resume import MIX_SAMPLERS
-from fastloader.sampling.mix import Mix, mix_sampler
+from fastloader.sampling.mix import Mix, MixSample, mix_sampler
 from fastloader.sampling.mix_samplers import ElasticMixSampler
 
 __all__ = [
+    "collate_for",
     "MIX_SAMPLERS",
     "choose_sampler",
     "count_sources",
@@ -138,3 +143,26 @@ def prepare_resume(loader: Any, state: dict[str, Any]) -> Any:
     else:
         epoch, position = state["epoch"] + bool(state["epoch_started"]), 0
     return mix.resume_from(saved, epoch, position)
+
+
+def collate_for(dataset: Any, collate: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """The default collate for ``dataset``: ``collate``, or for a ``Mix`` one that makes the
+    batch's ``MixSample`` fields quickly (``MixCollate``)."""
+    return MixCollate(collate) if isinstance(dataset, Mix) else collate
+
+
+class MixCollate:
+    """Collates a batch of ``MixSample``s as torch's default collate does (the samples by
+    ``collate``, the names as a tuple, the indices as an int64 tensor), the indices through
+    NumPy: ``torch.tensor`` of a list of Python ints costs ~0.4 us an element, this ~0.02 us.
+    Any other batch goes to ``collate`` whole."""
+
+    def __init__(self, collate: Callable[[Any], Any]) -> None:
+        self.collate = collate
+
+    def __call__(self, batch: Sequence[Any]) -> Any:
+        if not batch or type(batch[0]) is not MixSample:
+            return self.collate(batch)
+        samples, sources, indices = zip(*batch, strict=True)
+        index = torch.from_numpy(np.fromiter(indices, dtype=np.int64, count=len(indices)))
+        return MixSample(self.collate(list(samples)), sources, index)
