@@ -42,6 +42,9 @@ from fastloader.sampling.mix_state import build_mix_state, merge_history
 __all__ = ["Mix", "MixSample", "mix_sampler"]
 
 
+_new_tuple = tuple.__new__
+
+
 class MixSample(NamedTuple):
     """A sample of a ``Mix``: the source's sample, the source's name, and the index there.
 
@@ -216,8 +219,8 @@ class Mix(Dataset):
         rest = code % total
         s = bisect.bisect_right(starts, rest) - 1
         index = rest - starts[s]
-        if self.with_source:
-            return MixSample(datasets[s][index], names[s], index)
+        if self.with_source:  # MixSample(...) without its Python-level __new__: ~0.2 us less
+            return _new_tuple(MixSample, (datasets[s][index], names[s], index))
         return datasets[s][index]
 
     def __getstate__(self) -> dict[str, Any]:
