@@ -316,3 +316,21 @@ def test_the_loaders_collate_of_mix_samples_equals_torchs_default_collate(sample
     assert type(ours) is MixSample and ours.source == theirs.source
     assert ours.index.dtype == theirs.index.dtype and torch.equal(ours.index, theirs.index)
     assert repr(ours.sample) == repr(theirs.sample)
+
+
+def test_a_call_at_a_scheduled_position_replaces_it_and_resumes():
+    only = {name: {other: float(other == name) for other in SOURCES} for name in SOURCES}
+    schedule = {40: only["web"], 200: only["math"]}
+    loader = DataLoader(three(schedule=schedule), batch_size=10, seed=3)
+    taken = []
+    for step, batch in enumerate(loader):
+        taken += rows(batch)
+        if step == 3:  # the next unseen sample is 40: the scheduled position
+            assert loader.dataset.set_weights(only["code"]) == 40
+        if step == 9:
+            state = json.loads(json.dumps(loader.state_dict()))
+    assert {source for source, _, _ in taken[40:200]} == {"code"}  # the call won
+    assert {source for source, _, _ in taken[200:]} == {"math"}  # the schedule after it holds
+    resumed = DataLoader(three(schedule=schedule), batch_size=10, seed=3)
+    resumed.load_state_dict(state)
+    assert epoch_rows(resumed) == taken[100:]

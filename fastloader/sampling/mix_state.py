@@ -204,7 +204,8 @@ def merge_history(mix: Any, saved: dict[str, Any], position: int) -> History:
     # the Mix's plan took over at the last reweighted resume (or at 0): compare from there
     took_over = max([s for s, h, _ in saved["weights"] if h == "resume" and s <= position] or [0])
     plan = [(took_over, mix.plan[0][1])] + [(s, w) for s, w, _ in mix.plan[1:] if s > took_over]
-    planned_before = [(s, w) for s, w in plan if s < position]
+    called = {s for s, h, _ in saved["weights"] if h == "call"}  # a call replaced the plan there
+    planned_before = [(s, w) for s, w in plan if s < position and s not in called]
     saved_before = [
         (s, w)
         for s, h, w in saved["weights"]
