@@ -381,6 +381,33 @@ class _Found(NamedTuple):
     branches: list[tuple]
 
 
+def _branch_child(page: tuple, count: int, key: bytes) -> int:
+    """The last node of a branch page whose key is <= ``key`` (node 0 stands for -inf)."""
+    low, high, chosen = 1, count - 1, 0
+    while low <= high:
+        middle = (low + high) // 2
+        if _key(page, middle) <= key:
+            chosen, low = middle, middle + 1
+        else:
+            high = middle - 1
+    return chosen
+
+
+def _leaf_node(page: tuple, count: int, key: bytes) -> int | None:
+    """The node of a leaf page whose key is ``key``, or None."""
+    low, high = 0, count - 1
+    while low <= high:
+        middle = (low + high) // 2
+        found = _key(page, middle)
+        if found == key:
+            return middle
+        if found < key:
+            low = middle + 1
+        else:
+            high = middle - 1
+    return None
+
+
 def _find_in_leaf(
     file: bytes | memoryview,
     psize: int,
@@ -412,14 +439,7 @@ def _find_in_leaf(
             if flags & _P_BRANCH:
                 if on_branch is not None:
                     on_branch(page)
-                low, high = 1, count - 1  # the last node whose key <= key (node 0: -inf)
-                chosen = 0
-                while low <= high:
-                    middle = (low + high) // 2
-                    if _key(page, middle) <= key:
-                        chosen, low = middle, middle + 1
-                    else:
-                        high = middle - 1
+                chosen = _branch_child(page, count, key)
                 _, lo, hi, node_flags, _ = _node(page, chosen)
                 pgno = lo | hi << 16 | node_flags << 32
                 if chosen > 0:  # node 0's key stands for everything below node 1's
@@ -430,17 +450,8 @@ def _find_in_leaf(
                 continue
             if not flags & _P_LEAF:
                 return False
-            low, high = 0, count - 1
-            while low <= high:
-                middle = (low + high) // 2
-                found = _key(page, middle)
-                if found == key:
-                    return _Found(page, middle, bound_low, bound_high, branches)
-                if found < key:
-                    low = middle + 1
-                else:
-                    high = middle - 1
-            return None
+            node = _leaf_node(page, count, key)
+            return None if node is None else _Found(page, node, bound_low, bound_high, branches)
         except (ValueError, struct.error):
             return False
     return False
