@@ -75,11 +75,29 @@ def test_train_lightning(tmp_path: Path, packed: bool) -> None:
 
 @pytest.mark.slow
 def test_train_ddp_with_torchrun_on_two_cpu_processes(tmp_path: Path) -> None:
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     args = ["--device", "cpu", "--checkpoint", str(tmp_path / "ddp.pt")]
-    out = _run(torchrun + [str(EXAMPLES / "train_ddp.py"), *args], tmp_path, timeout=300)
+    out = _run(_torchrun(2) + [str(EXAMPLES / "train_ddp.py"), *args], tmp_path, timeout=300)
     assert "epoch 1: loss" in out
     assert "evaluated 48 samples once each" in out  # every sample on exactly one rank
+
+
+@pytest.mark.slow
+def test_train_ddp_stopped_on_two_processes_resumes_on_three(tmp_path: Path) -> None:
+    """The docstring's recipe: ``--stop-after 2`` on 2 processes, then ``--resume`` on 3."""
+    script = [str(EXAMPLES / "train_ddp.py"), "--device", "cpu"]
+    script += ["--checkpoint", str(tmp_path / "ddp.pt")]
+    out = _run(_torchrun(2) + script + ["--stop-after", "2"], tmp_path, timeout=300)
+    assert "stopped after step 2" in out
+    out = _run(_torchrun(3) + script + ["--resume"], tmp_path, timeout=300)
+    # 2 steps of 2 x 8 = 32 of epoch 0's 48 samples seen; 16 left, less than one step of 3 x 8
+    assert "resumed at step 2: epoch 0, global sample 32" in out
+    assert "epoch 0: no batch left, step 2" in out
+    assert "epoch 1: loss" in out and "step 4" in out  # 48 // 24 = 2 steps
+    assert "evaluated 48 samples once each" in out
+
+
+def _torchrun(processes: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes)]
 
 
 def _code_lines(text: str) -> list[str]:
