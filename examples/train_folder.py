@@ -100,9 +100,9 @@ def main() -> None:
         step = load_checkpoint(args.checkpoint, model, optimizer, loader)
         print(f"resumed at step {step}, epoch {loader.epoch}")
 
+    loss = None  # a resumed epoch may have no full batch left
     with loader:  # stops the workers at the end (or call loader.close())
         for epoch in range(loader.epoch, args.epochs):  # loader.epoch counts epochs itself
-            loss = None  # a resumed epoch may have no full batch left
             for images, labels in loader:  # float, normalised, on args.device
                 loss = nn.functional.cross_entropy(model(images), labels.to(args.device))
                 optimizer.zero_grad()

@@ -147,6 +147,29 @@ def test_excerpt_check_catches_a_changed_line() -> None:
     assert not _is_excerpt("a = 1\nb = 3\n", source)
 
 
+def _set_up_lines() -> list[str]:
+    text = README.read_text()
+    block = text[text.index("## Set up") :].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def test_readme_set_up_is_what_ci_runs() -> None:
+    """.ci/run installs torch as the README's line does (the same pin, the same short retries)
+    and then runs the README's test command itself."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    lines = _set_up_lines()
+    (torch_line,) = [line for line in lines if " torch==" in line]
+    (test_line,) = [line for line in lines if "pytest" in line]
+    assert test_line in ci.splitlines()
+    pin = re.search(r"torch==([\d.]+)", torch_line).group(1)
+    assert f'"torch=={pin}+cpu"' in ci and "download.pytorch.org/whl/cpu" in torch_line
+    for option in ("--retries 1", "--timeout 15"):
+        assert option in torch_line and option in ci
+    assert lines.index(torch_line) < min(
+        at for at, line in enumerate(lines) if "pip install -e" in line
+    ), "torch's CPU build must come before fastloader pulls torch from PyPI"
+
+
 def test_every_example_is_tested() -> None:
     tested = set(re.findall(r'"(\w+\.py)"', Path(__file__).read_text()))
     examples = {path.name for path in EXAMPLES.glob("*.py") if not path.name.startswith("_")}
