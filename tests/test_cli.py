@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from _images import EXPECTED_ORDER, make_folder_with_bad_files, make_image_folder
+from _signals import sigint_default
 
 from fastloader import open_pack, read_metadata
 from fastloader import pack as pack_function
@@ -323,6 +324,7 @@ def _start_slow_packer(folder: Path, target: Path) -> tuple[subprocess.Popen, li
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=sigint_default,  # Ctrl-C reaches it under `nohup` or `&` too
     )
     try:
         workers = _wait_for(
