@@ -1,4 +1,4 @@
-"""fastloader.stats: per-epoch waits, the input-bound diagnosis, the recorder's overhead."""
+"""fastloader.stats.timing: per-epoch waits, the input-bound diagnosis, the recorder's overhead."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastloader.stats import INPUT_BOUND_THRESHOLD, LoaderStats, batch_size, timed_iter
+from fastloader.stats.timing import INPUT_BOUND_THRESHOLD, LoaderStats, batch_size, timed_iter
 
 
 def slow_batches(n: int, delay_s: float, batch_size: int = 4):
