@@ -158,9 +158,8 @@ def test_documented_module_paths_import_as_the_module_that_holds_them(name):
 
 def test_public_classes_keep_one_identity_through_both_paths():
     from fastloader.samplers import BlockShuffleSampler
-    from fastloader.transforms import RandomResizedCrop
-
     from fastloader.sampling.samplers import BlockShuffleSampler as Real
+    from fastloader.transforms import RandomResizedCrop
     from fastloader.vision.transforms import RandomResizedCrop as RealCrop
 
     assert BlockShuffleSampler is Real and RandomResizedCrop is RealCrop
