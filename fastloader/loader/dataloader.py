@@ -16,6 +16,7 @@ from fastloader.loader.cursor import EpochCursor
 from fastloader.loader.iterators import SingleProcessIter, WorkerPoolIter
 from fastloader.loader.resume import build_state, resume_point
 from fastloader.loader.seeding import resolve_seed, resolve_seed_rngs
+from fastloader.loader.setup_warnings import DEFAULT_DEVICE_PREFETCH, check_device_arguments
 from fastloader.sampling.distributed import ElasticDistributedSampler
 from fastloader.sampling.samplers import (
     BlockShuffleSampler,
@@ -88,10 +89,16 @@ class DataLoader(TorchDataLoader[T_co]):
             device, copied from pinned memory on a side stream ahead of use.
         device_prefetch: how many batches are copied to the device ahead (default 2).
         device_transform: a callable applied to each batch on the device (for example
-            ``fastloader.Normalize``).
+            ``fastloader.Normalize``); needs ``device``.
+
+    An argument that cannot take effect with the others raises or warns at construction
+    (``IneffectiveArgumentWarning``: ``pin_memory=True`` with ``device="cpu"`` or without a
+    GPU, ``device_prefetch`` without ``device``); see NOTE [ Arguments that cannot take
+    effect ] in ``loader/setup_warnings.py``.
 
     Raises:
-        ValueError, TypeError: for invalid argument values, naming the argument.
+        ValueError, TypeError: for invalid argument values, naming the argument, and for
+            ``device_transform`` without ``device``.
         RuntimeError: for ``device="cuda"`` without CUDA, or ``distributed=True`` without an
             initialised process group.
     """
@@ -120,7 +127,7 @@ class DataLoader(TorchDataLoader[T_co]):
         seed_rngs: bool | str = "auto",
         distributed: bool = False,
         device: str | torch.device | None = None,
-        device_prefetch: int = 2,
+        device_prefetch: int = DEFAULT_DEVICE_PREFETCH,
         device_transform: Callable[[Any], Any] | None = None,
     ) -> None:
         num_workers = resolve_num_workers(num_workers)
@@ -129,6 +136,13 @@ class DataLoader(TorchDataLoader[T_co]):
         seed = resolve_seed(seed, generator)
         seed_rngs = resolve_seed_rngs(seed_rngs)
         resolved_device = _resolve_device(device, device_prefetch)
+        check_device_arguments(  # NOTE [ Arguments that cannot take effect ]
+            getattr(resolved_device, "type", None),
+            device_prefetch,
+            device_transform,
+            pin_memory,
+            torch.accelerator.is_available(),
+        )
         if resolved_device is not None and resolved_device.type == "cuda":
             pin_memory = True
         is_map_style = not isinstance(dataset, IterableDataset)
