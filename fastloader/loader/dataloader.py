@@ -25,6 +25,7 @@ from fastloader.sampling.samplers import (
     record_set_epoch,
     samplers_with_set_epoch,
 )
+from fastloader.stats.settings import loader_settings
 from fastloader.stats.timing import LoaderStats, epoch_length
 
 T_co = TypeVar("T_co", covariant=True)
@@ -251,7 +252,8 @@ class DataLoader(TorchDataLoader[T_co]):
         # workers finds them (torch's own test_shuffler_iterdatapipe does)
         self._iterator = source if self.num_workers else None
         pids = source.worker_pids if self.num_workers else [os.getpid()]
-        self.stats.watch_workers(self.num_workers, getattr(source, "busy_seconds", None), pids)
+        busy = getattr(source, "busy_seconds", None)
+        self.stats.watch_workers(self.num_workers, busy, pids, loader_settings(self))
         self.stats.iter_done(epoch_length(self, skip))  # time in iter() is a wait for data
         return source
 
