@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from benchmarks._stats import paired_ratio
+
 #: The loader comparison's loaders, as a reader knows them.
 LOADER_NAMES = {
     "torch": "torch DataLoader (workers restarted each epoch)",
@@ -87,13 +89,20 @@ def pipeline_panel(result: dict) -> dict:
 def loader_panel(result: dict) -> dict:
     rows, rounds = result["rows"], result.get("throughput_samples_per_s") or {}
     base = {r["loader"]: r["steady_samples_per_s"] for r in rows}.get("torch_persistent")
+
+    def ratio(row: dict) -> float | None:
+        """As the printed table: the median of per-round ratios where there are rounds."""
+        if row["loader"] in rounds and "torch_persistent" in rounds:
+            return paired_ratio(rounds[row["loader"]], rounds["torch_persistent"])
+        return row["steady_samples_per_s"] / base if base else None
+
     return {
         "title": "Steady throughput of decoded photos, no training step, 2 workers",
         "unit": "samples/s (whiskers: slowest and fastest epoch)",
         "labels": [loader_name(r["loader"]) for r in rows],
         "values": [r["steady_samples_per_s"] for r in rows],
         "spreads": [_spread(rounds.get(r["loader"]), r["steady_samples_per_s"]) for r in rows],
-        "ratios": [r["steady_samples_per_s"] / base if base else None for r in rows],
+        "ratios": [ratio(r) for r in rows],
         "baseline": "torch persistent",
         "colours": [_colour(r["loader"], "torch_persistent") for r in rows],
     }
