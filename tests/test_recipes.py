@@ -3,7 +3,8 @@ written: each one's arguments parse with the script's own parser (the examples, 
 and fastloader's subcommands, the benchmarks). What they do is run by the tests of each script
 (tests/test_examples.py runs the examples' recipes, the DDP stop-and-resume on another world
 size included; tests/test_demo.py and test_benchmarks.py the benchmarks; test_cli.py the
-commands)."""
+commands). Every ```python block of the README and docs/ is valid Python whose fastloader
+names exist."""
 
 from __future__ import annotations
 
@@ -118,3 +119,31 @@ def test_a_documented_command_line_parses_as_written(where, line, monkeypatch) -
         assert exit_.code == 0 and "--help" in line, f"{where}: {line!r} exited {exit_.code}"
         return
     raise AssertionError(f"{where}: {line!r} did not parse its arguments")
+
+
+def _python_blocks() -> list[tuple[str, str]]:
+    blocks = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for code in re.findall(r"```python\n(.*?)```", path.read_text(), re.S):
+            blocks.append((str(path.relative_to(ROOT)), code))
+    return blocks
+
+
+@pytest.mark.parametrize(("where", "code"), _python_blocks())
+def test_documented_python_compiles_and_its_fastloader_names_exist(where, code) -> None:
+    """Each ```python block is valid Python, and every name it takes from fastloader (its
+    ``from fastloader... import`` lines and ``fastloader.X`` attributes) exists."""
+    import fastloader
+
+    tree = ast.parse(code, where)  # a SyntaxError names the block ("..." is Python too)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fastloader"):
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                assert hasattr(module, alias.name), f"{where}: {node.module}.{alias.name}"
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "fastloader"
+        ):
+            assert hasattr(fastloader, node.attr), f"{where}: fastloader.{node.attr}"
