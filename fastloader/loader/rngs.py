@@ -2,7 +2,7 @@
 save and restore their states cheaply.
 
 Runs in the process that loads data (a worker, or the main process with ``num_workers=0``).
-See NOTE [ Lazy seeding ] in seeding.py for why fingerprints exist and what they detect.
+See NOTE [ Lazy seeding ] in loader/seeding.py for why fingerprints exist and what they detect.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ _STATE_READERS = (
 class StateReads:
     """While entered, records which RNGs had their state read through ``_STATE_READERS``.
 
-    A fingerprint sees draws, not reads: NOTE [ Lazy seeding ] in seeding.py. The module
+    A fingerprint sees draws, not reads: NOTE [ Lazy seeding ] in loader/seeding.py. The module
     functions are swapped for recording wrappers only while a batch loads, and put back after.
     """
 

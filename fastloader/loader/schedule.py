@@ -2,7 +2,7 @@
 
 Plain Python over a sampler's public interface (``iter``, ``set_epoch`` through a callback,
 ``iter_from`` where a sampler has it): no torch internals, so it is tested on its own
-(tests/test_schedule.py). The iterators in _iterators.py draw their tasks from it.
+(tests/test_schedule.py). The iterators in loader/iterators/ draw their tasks from it.
 
 NOTE [ Cross-epoch prefetch ]
 

@@ -10,7 +10,7 @@ the same batches for any ``num_workers``.
 
 The epoch travels with every batch of indices (a ``Task``), not in the worker's state, so a
 persistent worker can load batches of the next epoch while the current one is still being
-consumed (see NOTE [ Cross-epoch prefetch ] in ``_iterators.py``).
+consumed (see NOTE [ Cross-epoch prefetch ] in ``loader/iterators/``).
 
 - Datasets with ``__getitems__`` load a whole batch in one call; they are seeded once per batch
   from the batch's first index. A dataset that reads a batch at once but transforms each
@@ -207,7 +207,7 @@ class SeededDataset:
         self.dataset = dataset
         self.seed = seed
         self.progress = progress  # shared array: slot -> number of the task being loaded
-        # shared array: slot -> seconds spent loading (NOTE [ The diagnosis ] in stats.py)
+        # shared array: slot -> seconds spent loading (NOTE [ The diagnosis ] in stats/diagnosis.py)
         self.busy = busy
         self.slot = 0  # set in each worker by _WorkerInit
         self.seed_rngs = resolve_seed_rngs(seed_rngs)

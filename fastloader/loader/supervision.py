@@ -1,13 +1,13 @@
 """Worker supervision policy, in the main process: what a death means, warnings, poison samples,
 stall reports. The mechanics (noticing deaths, starting replacements, re-sending tasks) are the
-pool iterator's, in _iterators.py, which asks ``judge_death`` what each death means.
+pool iterator's, in loader/iterators/, which asks ``judge_death`` what each death means.
 
 NOTE [ Supervised workers ]
 
 Every task a worker is sent carries its epoch and indices, and every sample is seeded from
-(seed, epoch, index) (NOTE [ Seeding contract ] in seeding.py), so a task lost with its worker
-can be loaded again by another process with an identical result. The pool iterator
-(``WorkerPoolIter`` in _iterators.py) therefore keeps each task until its result arrives; when
+(seed, epoch, index) (NOTE [ Seeding contract ] in loader/seeding.py), so a task lost with its
+worker can be loaded again by another process with an identical result. The pool iterator
+(``WorkerPoolIter`` in loader/iterators/) therefore keeps each task until its result arrives; when
 it finds a worker dead (the data queue stays empty for a short poll, or an epoch starts), it
 warns once for that death, starts a replacement in the same slot, and re-sends the dead
 worker's unfinished tasks with their original task numbers, so torch's in-order delivery puts

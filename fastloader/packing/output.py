@@ -1,7 +1,7 @@
 """The end of a pack: the partial file renamed to DST without replacing a DST that appeared
 meanwhile, and a full disk turned into one line naming it.
 
-Runs in the packer's main process (packing.py), after the writer closed or failed.
+Runs in the packer's main process (packing/pack.py), after the writer closed or failed.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from fastloader.formats.metadata import human_size
 
 # NOTE [ Publishing the pack ]
 # The pack is written to a partial file and renamed to DST at the end (NOTE [ Atomic packing ]
-# in packing.py). DST is checked at the start, but a run takes minutes: another packer (or
+# in packing/pack.py). DST is checked at the start, but a run takes minutes: another packer (or
 # anything) may create DST meanwhile, and a plain rename would silently replace it, both runs
 # reporting success. So the final step depends on --overwrite:
 # * without it, the rename must fail if DST exists, atomically (a check then a rename races):

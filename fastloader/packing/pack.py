@@ -26,7 +26,7 @@ from fastloader.formats import (
     open_writer,
 )
 from fastloader.formats.signatures import is_hdf5_file
-from fastloader.packing.jobs import dataset_job, folder_job, scan_image_folder, shuffled
+from fastloader.packing.jobs import Job, dataset_job, folder_job, scan_image_folder, shuffled
 from fastloader.packing.options import (
     check_options,
     check_target,
@@ -195,24 +195,9 @@ def pack(
     if check not in CHECKS:
         raise ValueError(f"check must be one of {', '.join(CHECKS)}, got {check!r}")
     options = Options(store, quality, max_side, short_side, check)
-    if isinstance(source, (str, os.PathLike)) and is_hdf5_file(source):
-        from fastloader.formats.hdf5_foreign import HDF5File
-
-        source = HDF5File(os.path.expanduser(os.fspath(source)))  # NOTE [ Samples of fields ]
-    if isinstance(source, (str, os.PathLike)):
-        if classes is not None:
-            raise ValueError("classes= is for datasets: an image folder's classes are its folders")
-        job = folder_job(source, options)
-    else:
-        job = dataset_job(source, options, classes, schema)
-    if shuffle_seed is not None:
-        job = shuffled(job, shuffle_seed)
+    job = _job(source, options, classes, schema, shuffle_seed)
     if workers is None:
-        # Quick-checking the files of a folder kept as they are (store="encoded") costs less
-        # than sending them between processes: measured 1.6x faster in this process. The full
-        # check decodes every image: that is worth the workers.
-        keeps_files = store == "encoded" and isinstance(source, (str, os.PathLike))
-        workers = 0 if keeps_files and check == "quick" else default_workers()
+        workers = _default_workers_for(source, store, check)
     workers = min(workers, len(job.items)) if job.parallel else 0
     info = {
         "source": job.source,
@@ -225,6 +210,62 @@ def pack(
         "shuffle_seed": shuffle_seed,
     }
     removed_partials = remove_stale_partials(target)
+    show = sys.stderr.isatty() if progress is None else progress
+    writer, skipped, replaced = _write_and_publish(
+        job, target, format, store, info, workers, image_timeout, strict, overwrite, show
+    )
+    _sync(target.parent)
+    size, seconds = target.stat().st_size, time.perf_counter() - started
+    return PackSummary(
+        target,
+        format,
+        store,
+        writer.count,
+        job.classes,
+        skipped,
+        size,
+        seconds,
+        removed_partials,
+        replaced,
+    )
+
+
+def _job(source: Any, options: Options, classes: Any, schema: Any, shuffle_seed: Any) -> Job:
+    """What to pack: a folder, a user's HDF5 file (NOTE [ Samples of fields ]) or a dataset."""
+    if isinstance(source, (str, os.PathLike)) and is_hdf5_file(source):
+        from fastloader.formats.hdf5_foreign import HDF5File
+
+        source = HDF5File(os.path.expanduser(os.fspath(source)))
+    if isinstance(source, (str, os.PathLike)):
+        if classes is not None:
+            raise ValueError("classes= is for datasets: an image folder's classes are its folders")
+        job = folder_job(source, options)
+    else:
+        job = dataset_job(source, options, classes, schema)
+    return job if shuffle_seed is None else shuffled(job, shuffle_seed)
+
+
+def _default_workers_for(source: Any, store: str, check: str) -> int:
+    """Quick-checking the files of a folder kept as they are (store="encoded") costs less than
+    sending them between processes: measured 1.6x faster in this process. The full check
+    decodes every image: that is worth the workers."""
+    keeps_files = store == "encoded" and isinstance(source, (str, os.PathLike))
+    return 0 if keeps_files and check == "quick" else default_workers()
+
+
+def _write_and_publish(
+    job: Job,
+    target: Path,
+    format: str,
+    store: str,
+    info: dict,
+    workers: int,
+    image_timeout: float,
+    strict: bool,
+    overwrite: bool,
+    show: bool,
+) -> tuple[Any, list[tuple[str, str]], str | None]:
+    """Write the partial file, then rename it into place (NOTE [ Atomic packing ])."""
     temp = partial_path(target)
     seen, free = file_identity(target), free_bytes(target.parent)
     writer = None
@@ -232,7 +273,6 @@ def pack(
         writer = open_writer(temp, format, store=store, classes=job.classes, info=info)
         writer.schema = job.schema
         results = _encode_all(job.encoder, job.items, workers, image_timeout)
-        show = sys.stderr.isatty() if progress is None else progress
         bar = tqdm(total=len(job.items), desc=target.name, unit="img", disable=not show)
         with contextlib.closing(results), bar:
             skipped = _write_all(writer, results, job.name, strict, bar, job.relative)
@@ -257,20 +297,7 @@ def pack(
         if full is not None:  # see NOTE [ Disk full while packing ]
             raise full from error
         raise
-    _sync(target.parent)
-    size, seconds = target.stat().st_size, time.perf_counter() - started
-    return PackSummary(
-        target,
-        format,
-        store,
-        writer.count,
-        job.classes,
-        skipped,
-        size,
-        seconds,
-        removed_partials,
-        replaced,
-    )
+    return writer, skipped, replaced
 
 
 def _write_all(

@@ -1,6 +1,7 @@
 """The encode stage of packing: one sample in, the bytes of one record (or why not) out.
 
-Runs in the packing worker processes (see NOTE [ Packing workers ]); packing.py scans and writes.
+Runs in the packing worker processes (see NOTE [ Packing workers ]); packing/jobs.py scans
+and packing/pack.py writes.
 """
 
 from __future__ import annotations

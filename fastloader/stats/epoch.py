@@ -56,7 +56,8 @@ class EpochStats:
     worker_busy_s: float | None = None
     io_note: str | None = None
     settings: Any = None
-    _started_at: float = dataclasses.field(default_factory=time.perf_counter, repr=False)
+    # the clock is looked up at each call, so a test can drive it (tests/test_stats.py)
+    _started_at: float = dataclasses.field(default_factory=lambda: time.perf_counter(), repr=False)
     _busy: Any = dataclasses.field(default=None, repr=False)  # workers' shared array, running
     _busy_at_start: float = dataclasses.field(default=0.0, repr=False)
     _pids: tuple = dataclasses.field(default=(), repr=False)  # who loads: for _io_probe

@@ -65,8 +65,8 @@ class SeededDatasetMixin:
     """Swaps in the seeded dataset wrapper where torch's iterator stores the dataset."""
 
     _seed: int  # the loader's seed when this iterator (and its workers) started
-    _seeding: dict = {}  # seeding_options(loader) (NOTE [ Lazy seeding ] in seeding.py)
-    busy_seconds: Any = None  # per worker, seconds loading (NOTE [ The diagnosis ], stats.py)
+    _seeding: dict = {}  # seeding_options(loader) (NOTE [ Lazy seeding ] in loader/seeding.py)
+    busy_seconds: Any = None  # per worker, seconds loading (NOTE [ The diagnosis ])
     _cursor: Any  # the loader's EpochCursor (NOTE [ The epoch cursor ] in loader/cursor.py)
     _shared_epoch: Any
     _progress: Any = None
