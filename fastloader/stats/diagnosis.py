@@ -32,7 +32,7 @@ diagnosis also knows the loader's settings (``stats/settings.py``: persistent wo
 pinning, usable CPUs, the dataset's size against the memory the page cache may use) and gives
 only advice that would change the numbers, else says "nothing to change" and why:
 - the epoch start with persistent workers, in the epoch that started them: paid once per
-  loader, nothing to change; without persistent workers: keep them; persistent workers already
+  loader, nothing to change; without persistent workers: turn them on; persistent workers already
   running and still a slow start: the next epoch could not be loaded ahead (docs/loader.md);
 - the device step: with ``device="cpu"`` nothing is copied, the time is ``device_transform``
   in the training process (move it to the dataset) or the step itself (leave ``device`` out);
@@ -93,7 +93,7 @@ def _start_advice(stats: Any, settings: Any) -> str:
     if not settings.persistent_workers:
         return (
             "most of the wait is the epoch's start: workers start again every epoch "
-            "(persistent_workers=False); leave persistent_workers at its default, True"
+            "(persistent_workers=False): set persistent_workers=True (fastloader's default)"
         )
     if stats.worker_startup_s > 0:
         return (
