@@ -130,7 +130,7 @@ def test_a_batch_beyond_the_known_length_reopens_the_epoch():
 
 
 def _epoch(**fields) -> EpochStats:
-    epoch = EpochStats(epoch=0, batches=10, samples=100, complete=True, **fields)
+    epoch = EpochStats(**{"epoch": 0, "batches": 10, "samples": 100, "complete": True, **fields})
     epoch._ended_at = epoch._started_at + 1.0  # a one-second epoch
     return epoch
 
@@ -281,7 +281,13 @@ IO_NOTE = "input-bound on I/O: workers read 300 KiB ...: your data does not fit 
             "nothing to change: most of the wait is starting 2 workers, once per loader",
             "keep workers persistent",
         ),
-        (START, PERSISTENT, "could not be loaded ahead", "keep workers persistent"),
+        (START, PERSISTENT, "nothing to change: in an epoch of 10 batches", "keep workers"),
+        (
+            dict(START, batches=100, samples=1000),
+            PERSISTENT,
+            "may not have been loaded ahead",
+            "keep workers persistent",
+        ),
         # the device step
         (DEVICE, None, "use pinned memory", None),
         (

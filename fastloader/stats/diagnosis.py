@@ -33,7 +33,8 @@ pinning, usable CPUs, the dataset's size against the memory the page cache may u
 only advice that would change the numbers, else says "nothing to change" and why:
 - the epoch start with persistent workers, in the epoch that started them: paid once per
   loader, nothing to change; without persistent workers: turn them on; persistent workers already
-  running and still a slow start: the next epoch could not be loaded ahead (docs/loader.md);
+  running: in a short epoch (``SHORT_EPOCH_BATCHES``) the start is a large share by nature,
+  nothing to change; in a longer one the epoch may not have been loaded ahead (docs/loader.md);
 - the device step: with ``device="cpu"`` nothing is copied, the time is ``device_transform``
   in the training process (move it to the dataset) or the step itself (leave ``device`` out);
   on a GPU batches are already pinned and copied on a side stream: fewer bytes per batch
@@ -55,6 +56,9 @@ from fastloader.formats.advice import fits_in_memory
 INPUT_BOUND_THRESHOLD = 0.10
 #: Workers busier than this share of their time cannot load faster: add workers.
 BUSY_WORKERS = 0.80
+#: An epoch of fewer batches than this pays its start (iter(), the first batch) over too few
+#: batches to tell a slow start from a short epoch: nothing to change.
+SHORT_EPOCH_BATCHES = 20
 
 
 def next_step(stats: Any) -> str:
@@ -100,9 +104,15 @@ def _start_advice(stats: Any, settings: Any) -> str:
             f"nothing to change: most of the wait is starting {stats.workers} workers, once "
             "per loader (persistent workers); later epochs of this loader skip it"
         )
+    if stats.batches < SHORT_EPOCH_BATCHES:
+        return (
+            f"nothing to change: in an epoch of {stats.batches} batches its start (iter() and "
+            f"the first batch, {1000 * stats.start_wait_s:.0f} ms) is a large share; it does "
+            "not grow with the epoch"
+        )
     return (
-        "most of the wait is the epoch's first batch, with the workers already running: the "
-        "epoch could not be loaded ahead (see 'When the next epoch cannot be prefetched' in "
+        "most of the wait is the epoch's start, with the workers already running: the epoch "
+        "may not have been loaded ahead (see 'When the next epoch cannot be prefetched' in "
         "docs/loader.md)"
     )
 
