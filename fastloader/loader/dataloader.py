@@ -142,7 +142,7 @@ class DataLoader(TorchDataLoader[T_co]):
             device_prefetch,
             device_transform,
             pin_memory,
-            torch.accelerator.is_available(),
+            bool(pin_memory) and torch.accelerator.is_available(),  # asked only when it matters
         )
         if resolved_device is not None and resolved_device.type == "cuda":
             pin_memory = True
