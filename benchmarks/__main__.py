@@ -51,6 +51,7 @@ EXPECTED_SECONDS = {
         "packing": 10,
         "memory": 10,
         "cli_startup": 15,
+        "mix": 20,
     },
     "quick": {"pipeline": 45, "loader": 35, "cheap": 120},
     "full": {
@@ -60,6 +61,7 @@ EXPECTED_SECONDS = {
         "packing": 90,
         "memory": 35,
         "cli_startup": 120,
+        "mix": 150,
     },
 }
 
