@@ -135,6 +135,9 @@ def test_documented_python_compiles_and_its_fastloader_names_exist(where, code) 
     ``from fastloader... import`` lines and ``fastloader.X`` attributes) exists."""
     import fastloader
 
+    last = code.rstrip().splitlines()[-1]
+    if last.split("#")[0].rstrip().endswith(":"):  # an excerpt that stops at a loop's head
+        code += " " * (len(last) - len(last.lstrip()) + 4) + "...\n"
     tree = ast.parse(code, where)  # a SyntaxError names the block ("..." is Python too)
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fastloader"):
