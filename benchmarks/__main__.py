@@ -11,8 +11,9 @@ comparison (under fifteen minutes); ``tiny`` every comparison in seconds (the sm
 Data is made under ``DIR/work`` and removed at the end unless ``--keep-work``. A comparison
 that raises is recorded with its error and the others still run; the exit status is then 1.
 
-While it runs, stderr shows one progress bar per comparison, with the time left estimated from
-this run's measured rates (lines instead when stderr is not a terminal; see _progress.py).
+While it runs, stderr shows one line of progress (the running comparison's bar, with the time
+left estimated from this run's measured rates), erased at the end (lines instead when stderr is
+not a terminal; see _progress.py).
 At the end, stdout gets the summary: the training pipeline first, then the loader table and
 each other comparison's ratios, the same numbers results.md opens with.
 """
@@ -33,6 +34,7 @@ from pathlib import Path
 
 from benchmarks import COMPARISONS, DEMO, SIZES, report
 from benchmarks._progress import Pace, Stage
+from benchmarks.plots import write_plots
 
 # torch, NumPy and the photos come in with machine_info(), after the arguments are parsed, so
 # that `--help` and usage errors answer at once (see NOTE [ Fast command start-up ] in
@@ -158,7 +160,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks") 
     print(
         f"Running {len(args.only)} comparison{'s' if len(args.only) > 1 else ''} at size "
         f"{args.size} ({', '.join(args.only)}"
-        + (f"; about {usual / 60:.0f} min on 2 idle cores" if usual >= 90 else "")
+        + (f"; about {max(usual / 60, 1):.0f} min on 2 idle cores" if usual else "")
         + f"); results go to {out}/",
         file=sys.stderr,
         flush=True,
@@ -183,11 +185,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks") 
         if not args.keep_work:
             shutil.rmtree(workdir, ignore_errors=True)
     results["seconds"] = round(time.perf_counter() - started, 1)
-    plots, plots_skipped = report.write_plots(results, out)
-    results["plots"] = [plot.name for plot in plots]
-    results["plots_skipped"] = plots_skipped
     if hasattr(os, "getloadavg"):
         results["machine"]["load_average_at_end"] = round(os.getloadavg()[0], 1)
+    plots, plots_skipped = write_plots(results, out)
+    results["plots"] = [plot.name for plot in plots]
+    results["plots_skipped"] = plots_skipped
     printed = report.summary(results, out, plots)
     report.write_json(results, out / "results.json")
     (out / "results.md").write_text(report.render(results, markdown=True, printed=printed))

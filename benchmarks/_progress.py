@@ -9,9 +9,11 @@ it needs nothing else. The time left is always estimated from what this run meas
   usual this run's earlier stages were (:class:`Pace`), so a loaded machine gets honest
   estimates after its first stage.
 
-On a terminal the bar redraws twice a second. When stderr is not a terminal, each stage
-prints a line when it starts, per note, and at least every ``QUIET_LINE_S`` seconds while
-it runs (with the estimate), and one when it ends.
+On a terminal the run's progress is one line: the running stage's bar, redrawn twice a second
+and erased when the stage ends, so that the summary printed at the end is the first screen.
+When stderr is not a terminal (a log), each stage prints a line when it starts, one every
+``QUIET_LINE_S`` seconds while it runs (with its latest note and the estimate), and one when it
+ends; notes alone print nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from types import TracebackType
 from tqdm import tqdm
 
 _current: Stage | None = None
-QUIET_LINE_S = 20.0  # at most this long without a line when stderr is not a terminal
+QUIET_LINE_S = 30.0  # at most this long without a line when stderr is not a terminal
 
 
 def note(text: str) -> None:
@@ -97,7 +99,7 @@ class Stage:
                 desc=self.label,
                 bar_format="{desc}: {percentage:3.0f}%|{bar:24}| {postfix}",
                 file=sys.stderr,
-                leave=True,
+                leave=False,  # erased at the end: one line of progress, then the summary
                 dynamic_ncols=True,
             )
         else:
@@ -129,9 +131,7 @@ class Stage:
 
     def note(self, text: str) -> None:
         self._text = text
-        if self._bar is None:
-            self._line()
-        else:
+        if self._bar is not None:
             self._draw()
 
     def _status(self) -> str:
@@ -159,9 +159,7 @@ class Stage:
         if self._thread is not None:
             self._thread.join()
         if self._bar is not None:
-            self._bar.bar_format = "{desc}: " + status.replace("{", "{{").replace("}", "}}")
-            self._bar.refresh()
-            self._bar.close()
+            self._bar.close()  # the summary says what each stage gave
         else:
             print(f"{self.label}: {status}", file=sys.stderr, flush=True)
 

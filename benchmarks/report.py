@@ -3,8 +3,7 @@
 Every comparison's result is a dict with ``rows`` (a list of flat dicts: one table), optional
 further tables under keys ending in ``rows`` (``read_rows``), ``ratios`` (name -> ratio),
 ``notes`` and ``skipped`` (None, or why the comparison did not run). Columns named ``vs_*``
-are ratios and print as ``1.23x``. Plots need matplotlib; without it they are skipped with a
-note.
+are ratios and print as ``1.23x``. The plots are plots.py's.
 """
 
 from __future__ import annotations
@@ -137,139 +136,11 @@ def write_json(results: dict, path: Path) -> None:
     path.write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
 
 
-def write_plots(results: dict, out: Path) -> tuple[list[Path], str | None]:
-    """Write the PNG plots; return their paths and, if they were skipped, why."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return [], "plots skipped: matplotlib is not installed"
-    written = []
-    comparisons = results["comparisons"]
-    pipeline = comparisons.get("pipeline", {})
-    if pipeline.get("rows") and not pipeline.get("error"):
-        written.append(_pipeline_plot(plt, pipeline, out / "pipeline.png"))
-    bars = _throughput_bars(comparisons)
-    if bars:
-        figure, axes = plt.subplots(
-            len(bars),
-            1,
-            figsize=(
-                9,
-                1.2 + 0.42 * sum(len(labels) for _, _, labels, _ in bars) + 0.6 * len(bars),
-            ),
-            squeeze=False,
-        )
-        for axis, (title, unit, labels, values) in zip(axes[:, 0], bars, strict=True):
-            axis.barh(range(len(values)), values, color="tab:blue")
-            axis.set_yticks(range(len(values)), labels, fontsize=8)
-            axis.invert_yaxis()
-            axis.set_xlabel(unit)
-            axis.set_title(title, fontsize=10)
-        figure.tight_layout()
-        written.append(out / "throughput.png")
-        figure.savefig(written[-1], dpi=110)
-        plt.close(figure)
-    epochs = comparisons.get("loader", {}).get("epochs")
-    if epochs:
-        figure, axis = plt.subplots(figsize=(7, 4))
-        for name, result in epochs.items():
-            times = [seconds * 1e3 for seconds in result["first_batch_s"]]
-            axis.plot(range(1, len(times) + 1), times, marker="o", label=name)
-        axis.set_yscale("log")
-        axis.set_xticks(range(1, 1 + max(len(r["first_batch_s"]) for r in epochs.values())))
-        axis.set_xlabel("epoch")
-        axis.set_ylabel("time to first batch (ms, log)")
-        axis.set_title("Time to the first batch of each epoch (2 workers)")
-        axis.legend()
-        figure.tight_layout()
-        written.append(out / "first_batch.png")
-        figure.savefig(written[-1], dpi=110)
-        plt.close(figure)
-    return written, None
-
-
-def _pipeline_plot(plt: Any, result: dict, path: Path) -> Path:
-    """The headline as bars: samples/s per loader, each labelled with its ratio to torch."""
-    rows = result["rows"]
-    figure, axis = plt.subplots(figsize=(9, 1.3 + 0.45 * len(rows)))
-    values = [row["samples_per_s"] for row in rows]
-    colours = ["tab:gray" if row["loader"] == "torch_folder" else "tab:blue" for row in rows]
-    axis.barh(range(len(rows)), values, color=colours)
-    axis.set_yticks(range(len(rows)), [row.get("what", row["loader"]) for row in rows], fontsize=8)
-    axis.invert_yaxis()
-    for index, row in enumerate(rows):
-        axis.text(values[index], index, f" {row['vs_torch']:.2f}x torch", va="center", fontsize=8)
-    axis.set_xlim(0, max(values) * 1.25)
-    axis.set_xlabel("samples/s (higher is better)")
-    config = result.get("config", {})
-    axis.set_title(
-        "Training pipeline: random-resized crop 224 + flip, uint8 batches of "
-        f"{config.get('batch_size', '?')}, {config.get('workers_or_threads', 2)} workers each",
-        fontsize=10,
-    )
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
-
-
-def _throughput_bars(comparisons: dict) -> list[tuple[str, str, list[str], list[float]]]:
-    """``(title, unit, labels, values)`` for each bar chart panel that has data."""
-    panels = []
-    formats = comparisons.get("formats", {}).get("rows") or []
-    if formats:
-        labels = [f"{r['reader']} {r['store']} ({r['decode']}, {r['loader']})" for r in formats]
-        panels.append(
-            (
-                "Read throughput, 2 workers, 224x224 (formats)",
-                "samples/s",
-                labels,
-                [r["samples_per_s"] for r in formats],
-            )
-        )
-    packing = comparisons.get("packing", {})
-    if packing.get("rows"):
-        labels = [f"{r['tool']} {r['format']} {r['store']}" for r in packing["rows"]]
-        panels.append(
-            (
-                "Packing throughput, 2 workers (packing)",
-                "images/s",
-                labels,
-                [r["images_per_s"] for r in packing["rows"]],
-            )
-        )
-    if packing.get("read_rows"):
-        rows = packing["read_rows"]
-        labels = [f"{r['tool']} {r['format']} {r['store']} ({r['decode']})" for r in rows]
-        panels.append(
-            (
-                "Read throughput vs litdata (packing)",
-                "samples/s",
-                labels,
-                [r["samples_per_s"] for r in rows],
-            )
-        )
-    loader = comparisons.get("loader", {}).get("rows") or []
-    if loader:
-        panels.append(
-            (
-                "Steady throughput, no training step (loader)",
-                "samples/s",
-                [r["loader"] for r in loader],
-                [r["steady_samples_per_s"] for r in loader],
-            )
-        )
-    return panels
-
-
 # --- the summary printed at the end of a run -----------------------------------------------
 
 _BASELINES = ("torch", "torch_persistent")
 _SMALL_TABLE = 6  # a comparison's table of at most 6 rows and 6 columns is printed in full
-_LOADER_NAMES = {"torch": "torch", "torch_persistent": "torch persistent"}
+_LOADER_NAMES = {"torch": "torch", "torch_persistent": "torch persistent_workers=True"}
 #: Where the README's table comes from.
 README_RESULTS = Path(__file__).resolve().parent / "results" / "results.json"
 
@@ -322,8 +193,9 @@ def loader_summary(result: dict) -> str:
             return rows[name]["vs_torch_epoch_start"]
         return first[base] / first[name]
 
-    header = ["loader", "samples/s", "vs torch", "vs torch persistent"]
-    header += ["first batch, later epochs", "vs torch", "vs torch persistent"]
+    # each ratio column names its measure: "x torch" twice over would be ambiguous
+    header = ["loader", "samples/s", "x torch", "x persistent"]
+    header += ["first batch, epochs 2+", "sooner than torch", "sooner than persistent"]
     table = []
     for name in rows:
         table.append(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=8, help="per rank")
     parser.add_argument("--workers", type=int, default=1, help="per rank")
     parser.add_argument("--crop", type=int, default=64)
-    parser.add_argument("--checkpoint", default="ddp-checkpoint.pt")
+    parser.add_argument(
+        "--checkpoint", default=os.path.join(tempfile.gettempdir(), "fastloader-ddp-checkpoint.pt")
+    )
     parser.add_argument("--stop-after", type=int, help="stop after this many steps (a test)")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     return parser.parse_args()
@@ -92,7 +95,11 @@ def main() -> None:
         optimizer.load_state_dict(checkpoint["optimizer"])
         loader.load_state_dict(checkpoint["loader"])  # every rank loads the same state
         step = checkpoint["step"]
+        if rank == 0:
+            position = checkpoint["loader"]["position"]
+            print(f"resumed at step {step}: epoch {loader.epoch}, global sample {position}")
     for epoch in range(loader.epoch, args.epochs):
+        loss = None  # a resumed epoch may have no full batch left for this world size
         for images, labels in loader:
             loss = nn.functional.cross_entropy(model(images.float() / 255), labels)
             optimizer.zero_grad()
@@ -109,7 +116,8 @@ def main() -> None:
                 dist.destroy_process_group()
                 return
         if rank == 0:
-            print(f"epoch {epoch}: loss {loss.item():.3f}, step {step}")
+            done = "no batch left" if loss is None else f"loss {loss.item():.3f}"
+            print(f"epoch {epoch}: {done}, step {step}")
     loader.close()
 
     # Exactly-once evaluation: every sample on exactly one rank, no padding.

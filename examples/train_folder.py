@@ -13,6 +13,8 @@ without it a tiny one is generated (``_tiny_data.py``).
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -33,7 +35,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workers", default="2", help='an int, or "auto"')
     parser.add_argument("--crop", type=int, default=64, help="training crop size (ImageNet: 224)")
     parser.add_argument("--pack", help="pack the folder into this .lmdb/.h5 once, train from it")
-    parser.add_argument("--checkpoint", default="checkpoint.pt")
+    parser.add_argument(
+        "--checkpoint", default=os.path.join(tempfile.gettempdir(), "fastloader-checkpoint.pt")
+    )
     parser.add_argument("--save-every", type=int, default=2, help="steps between checkpoints")
     parser.add_argument("--stop-after", type=int, help="stop after this many steps (a test)")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
@@ -96,6 +100,7 @@ def main() -> None:
         step = load_checkpoint(args.checkpoint, model, optimizer, loader)
         print(f"resumed at step {step}, epoch {loader.epoch}")
 
+    loss = None  # a resumed epoch may have no full batch left
     with loader:  # stops the workers at the end (or call loader.close())
         for epoch in range(loader.epoch, args.epochs):  # loader.epoch counts epochs itself
             for images, labels in loader:  # float, normalised, on args.device
@@ -109,7 +114,8 @@ def main() -> None:
                 if step == args.stop_after:
                     print(f"stopped after step {step} (epoch {epoch}); run again with --resume")
                     return
-            print(f"epoch {epoch}: loss {loss.item():.3f}, step {step}")
+            done = "no batch left" if loss is None else f"loss {loss.item():.3f}"
+            print(f"epoch {epoch}: {done}, step {step}")
             print(loader.stats.summary())  # were we waiting for data?
 
 

@@ -22,7 +22,7 @@ import argparse
 import gc
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 # NOTE [ Fast command start-up ]
@@ -49,6 +49,33 @@ def _finish(code: int, argv: Sequence[str] | None) -> int:
     if argv is None:
         gc.freeze()  # see NOTE [ Fast exit ]
     return code
+
+
+# NOTE [ A closed pipe ]
+# `fastloader-pack --info X | head` closes the pipe once `head` has its lines. Python ignores
+# SIGPIPE, so the next write (or the flush at exit) raises BrokenPipeError, which is an
+# OSError: it was reported as "error: [Errno 32] Broken pipe", exit 1. A reader that stops
+# reading is not an error: the command stops quietly with 141 (128 + SIGPIPE, what `cat`
+# gives in a pipeline with `pipefail`), its stdout pointed at /dev/null so that the
+# interpreter's final flush does not raise again.
+EXIT_BROKEN_PIPE = 141
+
+
+def _quiet_on_broken_pipe(run: Callable[[], int]) -> int:
+    """``run()``, its stdout flushed; a closed pipe on stdout ends it quietly (NOTE [ A closed
+    pipe ])."""
+    try:
+        code = run()
+        sys.stdout.flush()  # the output is buffered in a pipe: a closed one shows here
+        return code
+    except BrokenPipeError:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):  # no file descriptor (stdout replaced from Python)
+            pass
+        return EXIT_BROKEN_PIPE
 
 
 PROG = "fastloader-pack"
@@ -303,6 +330,8 @@ def _run_info(path: str, prog: str) -> int:
 
     try:
         print(describe(path))
+    except BrokenPipeError:
+        raise  # not the pack's error: NOTE [ A closed pipe ]
     except _expected_errors() as error:
         print(f"{prog}: error: {_one_line(error)}", file=sys.stderr)
         return 1
@@ -336,17 +365,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         the exit status: 0 on success, 1 for an error (one line on stderr), 2 for a usage
-        error, 130 when interrupted (Ctrl-C), 143 when terminated (SIGTERM). An interrupted,
+        error, 130 when interrupted (Ctrl-C), 143 when terminated (SIGTERM), 141 when stdout
+        is a pipe its reader closed (nothing printed; NOTE [ A closed pipe ]). An interrupted,
         terminated or failed run leaves no output file. ``--verify``: see ``fastloader verify``.
     """
     args = _usage_exit(build_parser(), argv)
     if isinstance(args, int):
         return args
     if args.info is not None:
-        return _finish(_run_info(args.info, PROG), argv)
-    if args.verify is not None:
-        return _finish(_run_verify(args.verify, args.quiet, PROG), argv)
-    return _finish(_run_pack(args, PROG), argv)
+        code = _quiet_on_broken_pipe(lambda: _run_info(args.info, PROG))
+    elif args.verify is not None:
+        code = _quiet_on_broken_pipe(lambda: _run_verify(args.verify, args.quiet, PROG))
+    else:
+        code = _quiet_on_broken_pipe(lambda: _run_pack(args, PROG))
+    return _finish(code, argv)
 
 
 # --- `fastloader`: the same commands as subcommands -------------------------------------------
@@ -391,7 +423,7 @@ def version_line() -> str:
 
 def fastloader_main(argv: Sequence[str] | None = None) -> int:
     """Run ``fastloader COMMAND ...``; returns the command's exit status (2: usage error)."""
-    code = _fastloader(list(sys.argv[1:] if argv is None else argv))
+    code = _quiet_on_broken_pipe(lambda: _fastloader(list(sys.argv[1:] if argv is None else argv)))
     return _finish(code, argv)
 
 

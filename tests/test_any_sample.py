@@ -342,3 +342,20 @@ def test_the_crop_box_and_flip_of_a_fused_transform_come_with_the_sample(tmp_pat
     with pytest.raises(ValueError, match="with_geometry is for packs of fields"):
         pack(ImageDataset(), tmp_path / "old.lmdb", workers=0)
         LMDBDataset(tmp_path / "old.lmdb", with_geometry=True)
+
+
+def test_a_pack_of_a_pose_file_read_as_pil_says_which_decode_gives_arrays(pose, tmp_path):
+    """The default decode="pil" gives PIL images, which no collate stacks: the loader's error
+    names the field and the decode= that gives what the HDF5 file gave (arrays)."""
+    target = tmp_path / "pose.lmdb"
+    pack(HDF5File(pose), target, schema={"image": "image"}, store="raw", workers=0)
+    with pytest.raises(TypeError, match=r"field 'image'.*decode='numpy'.*decode='tensor'"):
+        next(iter(DataLoader(LMDBDataset(target), batch_size=4)))
+    batch = next(iter(DataLoader(LMDBDataset(target, decode="numpy"), batch_size=4)))
+    assert batch["image"].shape == (4, *h5py_rows(pose, POSE_FIELDS)[0]["image"].shape)
+
+
+def test_an_image_label_pack_without_a_transform_names_decode_too(tmp_path):
+    pack(ImageDataset(), tmp_path / "images.lmdb", workers=0)
+    with pytest.raises(TypeError, match=r"field '0'.*decode='tensor'.*PILToTensor"):
+        next(iter(DataLoader(LMDBDataset(tmp_path / "images.lmdb"), batch_size=2)))

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from _images import EXPECTED_ORDER, make_folder_with_bad_files, make_image_folder
+from _signals import sigint_default
 
 from fastloader import open_pack, read_metadata
 from fastloader import pack as pack_function
@@ -211,6 +212,36 @@ def test_info_describes_a_pack(folder, tmp_path, capsys):
     assert size.endswith("KiB")
 
 
+def test_info_of_a_pack_without_an_image_field_shows_no_store_mode(tmp_path, capsys):
+    target = tmp_path / "boxes.lmdb"
+    samples = [{"boxes": np.zeros((2, 4), np.float32), "label": 1}] * 3
+    pack_function(samples, target, progress=False)
+    assert main(["--info", str(target)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "store:    - (no image field: the store mode applies to images only)" in out
+    assert "store:    encoded" not in out
+
+
+def test_info_into_a_pipe_closed_early_stops_quietly(folder, tmp_path):
+    """`fastloader-pack --info X | head`: the reader closes the pipe; no error, no traceback."""
+    target = tmp_path / "out.lmdb"
+    assert main([str(folder), str(target), "--store", "raw", "-q"]) == 0
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before anything is written
+    try:
+        run = subprocess.run(
+            [*_script(), "--info", str(target)],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert run.stderr == ""
+    assert run.returncode == 141  # 128 + SIGPIPE, as `cat` in a pipeline
+
+
 @pytest.mark.parametrize(
     ("content", "name"), [(b"not a pack at all", "junk.lmdb"), (None, "missing.lmdb")]
 )
@@ -323,6 +354,7 @@ def _start_slow_packer(folder: Path, target: Path) -> tuple[subprocess.Popen, li
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=sigint_default,  # Ctrl-C reaches it under `nohup` or `&` too
     )
     try:
         workers = _wait_for(

@@ -15,6 +15,7 @@ if ROOT not in sys.path:
 from benchmarks import COMPARISONS, DEMO  # noqa: E402
 from benchmarks import _progress as progress  # noqa: E402
 from benchmarks.__main__ import parse_args  # noqa: E402
+from benchmarks.plots import footer, loader_panel, pipeline_panel  # noqa: E402
 from benchmarks.report import loader_summary, render, summary  # noqa: E402
 
 
@@ -86,14 +87,37 @@ def test_progress_lines_estimate_from_the_measured_rate(capsys: pytest.CaptureFi
     assert pace.scale(20.0) == 60.0
     with progress.Stage("[1/1] demo", pace.scale(20.0), bar=False) as stage:
         progress.note("making photos")
+        assert "making photos" in stage._status() and "s left" in stage._status()  # the pace's
         progress.plan(4)
         progress.advance(2)
         progress.note("round 3 of 4")
+        assert "~60 s left" not in stage._status()  # from the 2 units measured, not the pace
+        assert "round 3 of 4" in stage._status() and "left" in stage._status()
         stage.finish("done in 1 s")
     lines = capsys.readouterr().err.splitlines()
-    assert lines[0] == "[1/1] demo ... (~60 s)"
-    assert "making photos" in lines[1] and "~60 s left" in lines[1]
-    assert "round 3 of 4" in lines[2] and "left" in lines[2]  # from the 2 units measured
-    assert lines[-1] == "[1/1] demo: done in 1 s"
+    assert lines == ["[1/1] demo ... (~60 s)", "[1/1] demo: done in 1 s"]  # notes alone: silent
     progress.note("after the stage: ignored")
     assert capsys.readouterr().err == ""
+
+
+def test_the_loader_table_names_each_column_once() -> None:
+    text = loader_summary(_results()["comparisons"]["loader"])
+    header = next(line for line in text.splitlines() if line.startswith("loader "))
+    columns = [column.strip() for column in header.split("  ") if column.strip()]
+    assert len(columns) == 7 and len(set(columns)) == len(columns), columns
+
+
+def test_plots_say_what_is_better_with_human_names_ratios_date_and_load() -> None:
+    results = _results()
+    results["machine"].update(date="2026-11-26T09:40:00+00:00", load_average_at_end=4.0)
+    assert footer(results).startswith("2026-11-26 09:40 UTC")
+    assert "load average 3.5 → 4.0" in footer(results)
+    loader = loader_panel(results["comparisons"]["loader"])
+    assert "torch DataLoader, persistent_workers=True" in loader["labels"]
+    assert "fastloader.DataLoader" in loader["labels"]
+    # as the printed table: the median of per-round ratios (1.5, 3.0, 2.0), not 2000/1000
+    assert loader["ratios"][loader["labels"].index("fastloader.DataLoader")] == 2.0
+    assert loader["spreads"][-1] == (500.0, 1000.0)  # rounds 1500..3000 around 2000
+    pipeline = pipeline_panel(results["comparisons"]["pipeline"])
+    assert pipeline["labels"] == ["torch", "fastloader fused"] and pipeline["ratios"][1] == 1.87
+    assert len(set(pipeline["colours"])) == 2  # the baseline stands out

@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import Dataset
 
 from fastloader import DataLoader
+from fastloader.stats.settings import LoaderSettings
 from fastloader.stats.timing import EpochStats
 
 
@@ -22,6 +23,20 @@ class SleepsPerSample(Dataset):
 
     def __getitem__(self, i):
         time.sleep(self.sleep_s)
+        return torch.tensor([i])
+
+
+class SlowToStart(SleepsPerSample):
+    """Each worker's first sample takes 0.3 s (opening files, building a pipeline)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n, 0.0)
+        self.opened = False
+
+    def __getitem__(self, i):
+        if not self.opened:
+            time.sleep(0.3)
+            self.opened = True
         return torch.tensor([i])
 
 
@@ -115,7 +130,7 @@ def test_a_batch_beyond_the_known_length_reopens_the_epoch():
 
 
 def _epoch(**fields) -> EpochStats:
-    epoch = EpochStats(epoch=0, batches=10, samples=100, complete=True, **fields)
+    epoch = EpochStats(**{"epoch": 0, "batches": 10, "samples": 100, "complete": True, **fields})
     epoch._ended_at = epoch._started_at + 1.0  # a one-second epoch
     return epoch
 
@@ -242,3 +257,106 @@ def test_loading_that_reads_from_storage_is_named_input_bound_on_io():
     stats.end_epoch()
     summary = stats.last.summary()
     assert "input-bound on I/O" in summary and "does not fit in memory" in summary, summary
+
+
+# NOTE [ Advice that changes the numbers ]: each advice the loader's settings allow, and each
+# case where the advice is already followed or cannot apply.
+
+PERSISTENT = LoaderSettings(persistent_workers=True, cpus=16)
+START = dict(wait_s=0.1, iter_wait_s=0.6, workers=2, worker_busy_s=0.4)
+DEVICE = dict(wait_s=0.9, device_wait_s=0.7, workers=2, worker_busy_s=0.4)
+BUSY = dict(wait_s=0.9, workers=2, worker_busy_s=1.96)
+IO_NOTE = "input-bound on I/O: workers read 300 KiB ...: your data does not fit in memory"
+
+
+@pytest.mark.parametrize(
+    ("fields", "settings", "says", "never"),
+    [
+        # the epoch start
+        (START, None, "keep workers persistent", "nothing to change"),
+        (START, LoaderSettings(persistent_workers=False), "persistent_workers=False", None),
+        (
+            dict(START, worker_startup_s=0.5),
+            PERSISTENT,
+            "nothing to change: most of the wait is starting 2 workers, once per loader",
+            "keep workers persistent",
+        ),
+        (START, PERSISTENT, "nothing to change: in an epoch of 10 batches", "keep workers"),
+        (
+            dict(START, batches=100, samples=1000),
+            PERSISTENT,
+            "may not have been loaded ahead",
+            "keep workers persistent",
+        ),
+        # the device step
+        (DEVICE, None, "use pinned memory", None),
+        (
+            DEVICE,
+            LoaderSettings(device_type="cpu", device_transform=True),
+            "apply it in the dataset",
+            "pin_memory",
+        ),
+        (DEVICE, LoaderSettings(device_type="cpu"), "leave device= out", "pin_memory"),
+        (
+            DEVICE,
+            LoaderSettings(device_type="cuda", pinned=True),
+            "device_transform=fastloader.Normalize",
+            "pin_memory",
+        ),
+        (
+            DEVICE,
+            LoaderSettings(device_type="cuda", pinned=True, device_transform=True),
+            "already from pinned memory on a side stream: send fewer bytes",
+            "device_transform=",
+        ),
+        # busy workers
+        (BUSY, LoaderSettings(cpus=16), "busy 98% of the time: add workers", None),
+        (BUSY, LoaderSettings(cpus=2), "already use this machine's 2 CPUs", "add workers"),
+        (BUSY, LoaderSettings(cpus=3), "already use this machine's 3 CPUs", "add workers"),
+        # reads from storage
+        (
+            dict(BUSY, io_note=IO_NOTE),
+            LoaderSettings(data_bytes=1_100_000, memory_bytes=18_000_000_000),
+            "nothing to change: the data (1.1 MB) was read from storage",
+            "does not fit",
+        ),
+        (
+            dict(BUSY, io_note=IO_NOTE),
+            LoaderSettings(data_bytes=3_000_000_000, memory_bytes=1_400_000_000),
+            "does not fit in memory",
+            "nothing to change",
+        ),
+        (dict(BUSY, io_note=IO_NOTE), LoaderSettings(), "does not fit in memory", None),
+        # not input-bound
+        (dict(wait_s=0.05, workers=2), PERSISTENT, "nothing to change: the loader keeps up", None),
+    ],
+)
+def test_the_advice_is_only_what_would_change_the_numbers(fields, settings, says, never):
+    epoch = _epoch(**fields, settings=settings)
+    assert says in epoch.next_step()
+    assert never is None or never not in epoch.next_step()
+
+
+def test_the_loader_gives_the_diagnosis_its_settings(tmp_path):
+    import fastloader
+
+    pack = tmp_path / "data.h5"
+    fastloader.pack([(torch.zeros(4, dtype=torch.uint8).numpy(), 0)] * 8, pack, progress=False)
+    loader = DataLoader(fastloader.HDF5Dataset(pack), batch_size=4, num_workers=1, device="cpu")
+    with loader:
+        list(loader)
+    settings = loader.stats.last.settings
+    assert settings.persistent_workers and settings.device_type == "cpu" and not settings.pinned
+    assert 0 < settings.data_bytes <= pack.stat().st_size
+    assert settings.memory_bytes is None or settings.memory_bytes > 0
+
+
+def test_an_epoch_that_starts_persistent_workers_is_not_told_to_keep_them():
+    """A one-epoch run with persistent workers (every example's set-up) whose wait is the
+    workers' start-up: nothing to change, not "keep workers persistent"."""
+    loader = DataLoader(SlowToStart(8), batch_size=4, num_workers=2)
+    with loader:
+        list(loader)
+    step = loader.stats.last.next_step()
+    assert "keep workers persistent" not in step
+    assert loader.stats.last.worker_startup_s > 0

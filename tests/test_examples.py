@@ -76,11 +76,29 @@ def test_train_lightning(tmp_path: Path, packed: bool) -> None:
 
 @pytest.mark.slow
 def test_train_ddp_with_torchrun_on_two_cpu_processes(tmp_path: Path) -> None:
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     args = ["--device", "cpu", "--checkpoint", str(tmp_path / "ddp.pt")]
-    out = _run(torchrun + [str(EXAMPLES / "train_ddp.py"), *args], tmp_path, timeout=300)
+    out = _run(_torchrun(2) + [str(EXAMPLES / "train_ddp.py"), *args], tmp_path, timeout=300)
     assert "epoch 1: loss" in out
     assert "evaluated 48 samples once each" in out  # every sample on exactly one rank
+
+
+@pytest.mark.slow
+def test_train_ddp_stopped_on_two_processes_resumes_on_three(tmp_path: Path) -> None:
+    """The docstring's recipe: ``--stop-after 2`` on 2 processes, then ``--resume`` on 3."""
+    script = [str(EXAMPLES / "train_ddp.py"), "--device", "cpu"]
+    script += ["--checkpoint", str(tmp_path / "ddp.pt")]
+    out = _run(_torchrun(2) + script + ["--stop-after", "2"], tmp_path, timeout=300)
+    assert "stopped after step 2" in out
+    out = _run(_torchrun(3) + script + ["--resume"], tmp_path, timeout=300)
+    # 2 steps of 2 x 8 = 32 of epoch 0's 48 samples seen; 16 left, less than one step of 3 x 8
+    assert "resumed at step 2: epoch 0, global sample 32" in out
+    assert "epoch 0: no batch left, step 2" in out
+    assert "epoch 1: loss" in out and "step 4" in out  # 48 // 24 = 2 steps
+    assert "evaluated 48 samples once each" in out
+
+
+def _torchrun(processes: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes)]
 
 
 def _code_lines(text: str) -> list[str]:
@@ -128,6 +146,29 @@ def test_excerpt_check_catches_a_changed_line() -> None:
     assert _is_excerpt("a = 1\n...\nd = 4\n", source)
     assert not _is_excerpt("a = 1\nc = 3\n", source)  # a line left out needs a `...`
     assert not _is_excerpt("a = 1\nb = 3\n", source)
+
+
+def _set_up_lines() -> list[str]:
+    text = README.read_text()
+    block = text[text.index("## Set up") :].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def test_readme_set_up_is_what_ci_runs() -> None:
+    """.ci/run installs torch as the README's line does (the same pin, the same short retries)
+    and then runs the README's test command itself."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    lines = _set_up_lines()
+    (torch_line,) = [line for line in lines if " torch==" in line]
+    (test_line,) = [line for line in lines if "pytest" in line]
+    assert test_line in ci.splitlines()
+    pin = re.search(r"torch==([\d.]+)", torch_line).group(1)
+    assert f'"torch=={pin}+cpu"' in ci and "download.pytorch.org/whl/cpu" in torch_line
+    for option in ("--retries 1", "--timeout 15"):
+        assert option in torch_line and option in ci
+    assert lines.index(torch_line) < min(
+        at for at, line in enumerate(lines) if "pip install -e" in line
+    ), "torch's CPU build must come before fastloader pulls torch from PyPI"
 
 
 def test_every_example_is_tested() -> None:

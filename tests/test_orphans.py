@@ -161,3 +161,34 @@ def test_an_iterator_collected_in_a_forked_child_prints_nothing():
     )
     assert process.returncode == 0
     assert process.stderr == ""
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_a_stopped_training_process_leaves_no_stack_folder(tmp_path: Path, stop):
+    """NOTE [ Worker stacks on timeout ]: the workers' stack files live in memory, so a main
+    process stopped without running its finalizers leaves nothing in the temp folder."""
+    (tmp_path / "orphans_dataset.py").write_text(_DATASET)
+    (tmp_path / "main.py").write_text(_MAIN)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    main = subprocess.Popen(
+        [sys.executable, str(tmp_path / "main.py"), "fork", "main-thread", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "TMPDIR": str(temp)},
+    )
+    try:
+        assert main.stdout.readline().strip() == "ready"  # workers started and loading
+        workers = _descendants(main.pid)
+        os.kill(main.pid, stop)
+        main.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_running(pid) for pid in workers):
+            time.sleep(0.1)
+    finally:
+        if main.poll() is None:
+            os.killpg(main.pid, signal.SIGKILL)
+            main.wait()
+    assert [name for name in os.listdir(temp) if name.startswith("fastloader")] == []

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from _signals import sigint_default
 
 SCENARIOS = os.path.join(os.path.dirname(__file__), "_supervision_scenarios.py")
 
@@ -35,7 +36,8 @@ def _in_own_session(name: str, stderr: int) -> Iterator[subprocess.Popen]:
         stdout=subprocess.PIPE,
         stderr=stderr,
         text=True,
-        start_new_session=True,
+        start_new_session=True,  # the signals a test sends reach this group only
+        preexec_fn=sigint_default,  # Ctrl-C reaches it under `nohup` or `&` too
     )
     try:
         yield child

@@ -1,4 +1,6 @@
-"""An epoch that yields no batch is named once, with its cause (NOTE [ Empty epochs ])."""
+"""Set-ups that would go unnoticed: an epoch that yields no batch is named once, with its cause
+(NOTE [ Empty epochs ]); arguments that cannot take effect are refused or named at construction
+(NOTE [ Arguments that cannot take effect ])."""
 
 from __future__ import annotations
 
@@ -9,7 +11,11 @@ import torch
 from torch.utils.data import DistributedSampler, IterableDataset, TensorDataset
 
 from fastloader import DataLoader
-from fastloader.loader.setup_warnings import EmptyEpochWarning, warn_if_empty_epoch
+from fastloader.loader.setup_warnings import (
+    EmptyEpochWarning,
+    IneffectiveArgumentWarning,
+    warn_if_empty_epoch,
+)
 
 
 def _data(n: int) -> TensorDataset:
@@ -63,3 +69,45 @@ def test_an_empty_epoch_of_a_worker_pool_is_named_too() -> None:
             assert list(loader) == []
     finally:
         loader.close()
+
+
+# NOTE [ Arguments that cannot take effect ]: each is refused or named at construction.
+
+
+def _normalise(batch):
+    return batch
+
+
+def test_device_transform_without_device_is_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match=r"device_transform=.*device= is not set"):
+        DataLoader(_data(8), batch_size=4, device_transform=_normalise)
+    with pytest.raises(TypeError, match="device_transform must be callable"):
+        DataLoader(_data(8), batch_size=4, device="cpu", device_transform="normalise")
+    loader = DataLoader(_data(8), batch_size=4, device="cpu", device_transform=_normalise)
+    assert loader.device_transform is _normalise  # with a device it is taken
+
+
+def test_device_prefetch_without_device_is_named() -> None:
+    with pytest.warns(IneffectiveArgumentWarning, match="device_prefetch=4 has no effect"):
+        DataLoader(_data(8), batch_size=4, device_prefetch=4)
+
+
+def test_pin_memory_with_device_cpu_is_named() -> None:
+    with pytest.warns(IneffectiveArgumentWarning, match="pin_memory=True has no effect with dev"):
+        DataLoader(_data(8), batch_size=4, pin_memory=True, device="cpu")
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="checks a machine without a GPU")
+def test_pin_memory_without_an_accelerator_is_named_at_construction() -> None:
+    with pytest.warns(IneffectiveArgumentWarning, match="no GPU"):
+        DataLoader(_data(8), batch_size=4, pin_memory=True)
+
+
+def test_arguments_that_take_effect_warn_nothing() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DataLoader(_data(8), batch_size=4)
+        DataLoader(_data(8), batch_size=4, device="cpu", device_prefetch=3)
+        DataLoader(_data(8), batch_size=4, pin_memory=False, device_prefetch=2)
+        if torch.accelerator.is_available():
+            DataLoader(_data(8), batch_size=4, pin_memory=True)

@@ -146,6 +146,7 @@ def test_editable_installs_from_the_clones_parent_folder(tmp_path: Path) -> None
     # as a namespace package first (pypa/setuptools#3548). editable_mode=strict puts a link
     # tree on sys.path instead, which the search finds: that works from anywhere.
     clone = _copy_sources(tmp_path / "fastloader")
+    shutil.copy(ROOT / "__init__.py", clone)  # NOTE [ The clone's folder as `fastloader` ]
     code = "import fastloader; print(fastloader.__file__, hasattr(fastloader, 'DataLoader'))"
     found = {}
     for mode in ("lenient", "strict"):
@@ -156,6 +157,44 @@ def test_editable_installs_from_the_clones_parent_folder(tmp_path: Path) -> None
         found[mode] = _run([bin_ / "python", "-c", code], tmp_path).stdout.split()
         inside = _run([bin_ / "python", "-c", code], clone).stdout.split()
         assert inside[1] == "True", f"{mode}: from inside the clone: {inside}"
-    if found["lenient"][1] == "False":  # until setuptools changes: the namespace package
-        assert found["lenient"][0] == "None", found["lenient"]
+    # the clone's own __init__.py hands over to what the editable install points at
+    assert found["lenient"] == [str(clone / "fastloader" / "__init__.py"), "True"]
     assert found["strict"][1] == "True"
+
+
+def _clone_seen_from_its_parent(tmp_path: Path) -> Path:
+    """A folder named fastloader holding the repository's root __init__.py, as a clone is."""
+    clone = tmp_path / "fastloader"
+    clone.mkdir()
+    shutil.copy(ROOT / "__init__.py", clone)
+    return tmp_path
+
+
+def test_a_clone_imported_from_its_parent_without_an_install_says_so(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", "import fastloader"],  # -S: no installed fastloader
+        cwd=_clone_seen_from_its_parent(tmp_path),
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert "ImportError: `import fastloader` found" in done.stderr
+    assert "Run Python from inside the clone" in done.stderr
+
+
+def test_a_clone_imported_from_its_parent_hands_over_to_the_installed_package(
+    tmp_path: Path,
+) -> None:
+    code = "import fastloader, fastloader.cli; print(fastloader.__file__, fastloader.__version__)"
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", code],
+        cwd=_clone_seen_from_its_parent(tmp_path),
+        env={**os.environ, "PYTHONPATH": str(ROOT)},  # the package, as an install provides it
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[0] == str(ROOT / "fastloader" / "__init__.py")

@@ -12,8 +12,9 @@ gives the two usual answers, as ``collate_fn``\\ s for any DataLoader:
   usual case), else ``(batch, ndim)`` of every sample's shape.
 
 ``default_collate`` is torch's, except that a batch it cannot stack raises a ``RuntimeError``
-naming the field and the shapes met, and pointing here; fastloader.DataLoader uses it when no
-``collate_fn`` is given (NOTE [ Naming ragged fields ]).
+naming the field and the shapes met, and pointing here (and a field of PIL images, a
+``TypeError`` naming the ``decode=`` that gives arrays or tensors); fastloader.DataLoader uses
+it when no ``collate_fn`` is given (NOTE [ Naming ragged fields ]).
 
 NOTE [ Naming ragged fields ]
 torch's error for a ragged field is "stack expects each tensor to be equal size, but got
@@ -30,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 from torch.utils.data import default_collate as torch_default_collate
 from torch.utils.data import get_worker_info
 
@@ -48,11 +50,17 @@ def default_collate(batch: Sequence[Any]) -> Any:
 
     Raises:
         RaggedFieldError: when a field's arrays differ in shape across the batch.
+        TypeError: as torch's, naming ``decode=`` when a field holds PIL images.
     """
     try:
         if batch and type(batch[0]) is dict:
             return {key: _collate_column([sample[key] for sample in batch]) for key in batch[0]}
         return torch_default_collate(batch)
+    except TypeError as error:
+        images = [name for name, values in _columns(batch).items() if _all_images(values)]
+        if not images:
+            raise
+        raise TypeError(_images_message(images)) from error
     except RuntimeError as error:
         ragged = _ragged_fields(batch)
         if not ragged:
@@ -237,19 +245,38 @@ def _is_ragged(values: Sequence[Any]) -> bool:
     return None not in shapes and len(shapes) > 1
 
 
-def _ragged_fields(batch: Sequence[Any]) -> dict[str, list]:
+def _columns(batch: Sequence[Any]) -> dict[str, list]:
+    """The batch's values per field: dict keys, tuple positions, or the whole sample."""
     first = batch[0]
     if isinstance(first, Mapping):
-        columns = {str(key): [sample[key] for sample in batch] for key in first}
-    elif isinstance(first, (tuple, list)):
-        columns = {str(at): list(values) for at, values in enumerate(zip(*batch, strict=True))}
-    else:
-        columns = {"sample": list(batch)}
+        return {str(key): [sample[key] for sample in batch] for key in first}
+    if isinstance(first, (tuple, list)):
+        return {str(at): list(values) for at, values in enumerate(zip(*batch, strict=True))}
+    return {"sample": list(batch)}
+
+
+def _ragged_fields(batch: Sequence[Any]) -> dict[str, list]:
     return {
         name: [_shape(value) for value in values]
-        for name, values in columns.items()
+        for name, values in _columns(batch).items()
         if _is_ragged(values)
     }
+
+
+def _all_images(values: list) -> bool:
+    return bool(values) and all(isinstance(value, Image.Image) for value in values)
+
+
+def _images_message(fields: list[str]) -> str:
+    """Packs decode images to PIL by default (as torchvision's
+    ImageFolder gives them), which no collate can stack; say which ``decode=`` gives what."""
+    named = ", ".join(repr(name) for name in fields)
+    return (
+        f"default_collate cannot stack PIL images (field {named}): a pack decodes images to "
+        "PIL by default (decode='pil'). Read it with decode='numpy' (HxWxC uint8 arrays, as "
+        "an HDF5 file read in place gives them) or decode='tensor' (CxHxW uint8 tensors), or "
+        "end the transform with fastloader.transforms.PILToTensor()"
+    )
 
 
 def _shapes_text(shapes: list) -> str:

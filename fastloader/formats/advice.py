@@ -275,3 +275,11 @@ def page_ranges(spans: Iterable[tuple[int, int]], size: int) -> list[tuple[int, 
             ranges.append((start, length))
             start += length
     return ranges
+
+
+def fits_in_memory(nbytes: int, memory: int | None = None) -> bool | None:
+    """Whether ``nbytes`` of data stay in the page cache: at most ``_FITS_SHARE`` of
+    ``memory`` (default: :func:`memory_for_cache`), the share under which packs get no read
+    advice. None where the memory is unknown. The diagnosis uses the same rule."""
+    memory = memory_for_cache() if memory is None else memory
+    return None if memory is None else nbytes <= _FITS_SHARE * memory

@@ -43,6 +43,8 @@ def describe(path: str) -> str:
     if schema is not None:  # a pack of any sample
         lines[4] = f"samples:  {schema['structure']} of {len(schema['fields'])} fields"
         lines[5:5] = [f"  {_field_text(field)}" for field in schema["fields"]]
+        if not any(field["kind"] == "image" for field in schema["fields"]):
+            lines[2] = "store:    - (no image field: the store mode applies to images only)"
     if info:
         lines.append("info:")
         lines += [f"  {key}: {value}" for key, value in sorted(info.items())]

@@ -17,6 +17,7 @@ from fastloader.loader.cursor import EpochCursor
 from fastloader.loader.iterators import SingleProcessIter, WorkerPoolIter
 from fastloader.loader.resume import build_state, resume_point
 from fastloader.loader.seeding import resolve_seed, resolve_seed_rngs
+from fastloader.loader.setup_warnings import DEFAULT_DEVICE_PREFETCH, check_device_arguments
 from fastloader.loader.state_checks import validate_state as check_state_fields
 from fastloader.sampling.distributed import ElasticDistributedSampler
 from fastloader.sampling.samplers import (
@@ -26,6 +27,7 @@ from fastloader.sampling.samplers import (
     record_set_epoch,
     samplers_with_set_epoch,
 )
+from fastloader.stats.settings import loader_settings
 from fastloader.stats.timing import LoaderStats, epoch_length
 
 T_co = TypeVar("T_co", covariant=True)
@@ -91,10 +93,16 @@ class DataLoader(TorchDataLoader[T_co]):
             device, copied from pinned memory on a side stream ahead of use.
         device_prefetch: how many batches are copied to the device ahead (default 2).
         device_transform: a callable applied to each batch on the device (for example
-            ``fastloader.Normalize``).
+            ``fastloader.Normalize``); needs ``device``.
+
+    An argument that cannot take effect with the others raises or warns at construction
+    (``IneffectiveArgumentWarning``: ``pin_memory=True`` with ``device="cpu"`` or without a
+    GPU, ``device_prefetch`` without ``device``); see NOTE [ Arguments that cannot take
+    effect ] in ``loader/setup_warnings.py``.
 
     Raises:
-        ValueError, TypeError: for invalid argument values, naming the argument.
+        ValueError, TypeError: for invalid argument values, naming the argument, and for
+            ``device_transform`` without ``device``.
         RuntimeError: for ``device="cuda"`` without CUDA, or ``distributed=True`` without an
             initialised process group.
     """
@@ -123,7 +131,7 @@ class DataLoader(TorchDataLoader[T_co]):
         seed_rngs: bool | str = "auto",
         distributed: bool = False,
         device: str | torch.device | None = None,
-        device_prefetch: int = 2,
+        device_prefetch: int = DEFAULT_DEVICE_PREFETCH,
         device_transform: Callable[[Any], Any] | None = None,
     ) -> None:
         num_workers = resolve_num_workers(num_workers)
@@ -132,6 +140,13 @@ class DataLoader(TorchDataLoader[T_co]):
         seed = resolve_seed(seed, generator)
         seed_rngs = resolve_seed_rngs(seed_rngs)
         resolved_device = _resolve_device(device, device_prefetch)
+        check_device_arguments(  # NOTE [ Arguments that cannot take effect ]
+            getattr(resolved_device, "type", None),
+            device_prefetch,
+            device_transform,
+            pin_memory,
+            bool(pin_memory) and torch.accelerator.is_available(),  # asked only when it matters
+        )
         if resolved_device is not None and resolved_device.type == "cuda":
             pin_memory = True
         is_map_style = not isinstance(dataset, IterableDataset)
@@ -245,7 +260,8 @@ class DataLoader(TorchDataLoader[T_co]):
         # workers finds them (torch's own test_shuffler_iterdatapipe does)
         self._iterator = source if self.num_workers else None
         pids = source.worker_pids if self.num_workers else [os.getpid()]
-        self.stats.watch_workers(self.num_workers, getattr(source, "busy_seconds", None), pids)
+        busy = getattr(source, "busy_seconds", None)
+        self.stats.watch_workers(self.num_workers, busy, pids, loader_settings(self))
         if isinstance(self.sampler, mixing.MIX_SAMPLERS):
             mixing.count_sources(self, source, epoch, skip)
         self.stats.iter_done(epoch_length(self, skip))  # time in iter() is a wait for data

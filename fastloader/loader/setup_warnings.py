@@ -1,4 +1,5 @@
-"""Warnings about a loader's set-up that would otherwise go unnoticed (each given once).
+"""Warnings about a loader's set-up that would otherwise go unnoticed (each given once), and
+the check of arguments that cannot take effect (NOTE [ Arguments that cannot take effect ]).
 
 NOTE [ Empty epochs ]
 An epoch that yields no batch at all is almost always a set-up mistake: ``drop_last=True``
@@ -7,6 +8,26 @@ a sampler that yields nothing. torch iterates such an epoch silently, and a trai
 "trains" for as many epochs as asked without a single step. The loader calls
 ``warn_if_empty_epoch`` when an epoch ends; it warns once per loader, naming the numbers and
 the fix. An epoch resumed from a state taken at its very end is empty by design: not warned.
+
+NOTE [ Arguments that cannot take effect ]
+An argument that is silently ignored costs a user a training run: ``device_transform=Normalize``
+without ``device=`` let uint8 batches reach the model, which failed much later. So at
+construction each extra argument is checked against the others (torch's own arguments keep
+torch's checks and timing). The audit, one line per argument:
+- ``device_transform`` runs on the device's copy of each batch: without ``device`` -> ValueError
+  (it would change the batches, so never ignored); not callable -> TypeError.
+- ``device_prefetch`` counts batches copied ahead to ``device``: changed without ``device`` ->
+  warning.
+- ``pin_memory=True`` speeds up copies to an accelerator: with ``device="cpu"`` (batches stay
+  in host memory) or with no accelerator present -> warning, once per loader here rather than
+  torch's once per ``iter()``. ``device="cuda"`` pins by itself.
+- ``device`` (checked by ``fastloader.device.resolve_device``), ``device_prefetch``'s type and
+  range, ``num_workers="auto"``, ``seed``, ``seed_rngs``, ``distributed`` (its sampler and
+  process group): each has its own check where it is resolved; none of them can be ignored by
+  another argument (``seed`` decides the order and every sample's seed even with
+  ``seed_rngs="never"``).
+Warnings here name the argument and what to do; Lightning rebuilding a loader from its
+attributes passes the same arguments, so it gets the same verdict.
 """
 
 from __future__ import annotations
@@ -14,6 +35,64 @@ from __future__ import annotations
 import warnings
 import weakref
 from typing import Any
+
+
+class IneffectiveArgumentWarning(UserWarning):
+    """A DataLoader argument that cannot take effect with the others (see NOTE [ Arguments that
+    cannot take effect ]); filter it with ``warnings.filterwarnings``."""
+
+
+#: ``device_prefetch``'s default (the DataLoader's signature uses it too).
+DEFAULT_DEVICE_PREFETCH = 2
+
+
+def check_device_arguments(
+    device_type: str | None,
+    device_prefetch: int,
+    device_transform: Any,
+    pin_memory: bool,
+    accelerator: bool,
+) -> None:
+    """Raise or warn for device arguments that cannot take effect (NOTE [ Arguments that cannot
+    take effect ]).
+
+    Args:
+        device_type: the resolved ``device``'s type ("cpu", "cuda"), or None without one.
+        device_prefetch: the loader's ``device_prefetch``.
+        device_transform: the loader's ``device_transform``.
+        pin_memory: the ``pin_memory`` the user passed.
+        accelerator: whether this process has an accelerator to pin memory for.
+
+    Raises:
+        TypeError: ``device_transform`` is not callable.
+        ValueError: ``device_transform`` without ``device``.
+    """
+    if device_transform is not None and not callable(device_transform):
+        raise TypeError(f"device_transform must be callable, got {device_transform!r}")
+    if device_transform is not None and device_type is None:
+        raise ValueError(
+            "device_transform= runs on the batches device= delivers, and device= is not set: "
+            "pass device='cuda' (or 'cpu'), or apply the transform in the dataset or collate_fn"
+        )
+    if device_type is None and device_prefetch != DEFAULT_DEVICE_PREFETCH:
+        _ineffective(
+            f"device_prefetch={device_prefetch} has no effect without device=: nothing is "
+            "copied ahead; pass device='cuda' or leave device_prefetch out"
+        )
+    if pin_memory and device_type == "cpu":
+        _ineffective(
+            "pin_memory=True has no effect with device='cpu' (batches stay in host memory) "
+            "and costs a copy per batch: leave it out"
+        )
+    elif pin_memory and not accelerator:
+        _ineffective(
+            "pin_memory=True has no effect: this machine has no GPU (or other accelerator) to "
+            "copy batches to; leave it out"
+        )
+
+
+def _ineffective(message: str) -> None:
+    warnings.warn(IneffectiveArgumentWarning(f"fastloader: {message}"), stacklevel=4)
 
 
 class EmptyEpochWarning(UserWarning):

@@ -319,7 +319,7 @@ def dump_stacks(folder: str, workers: list[tuple[int, int]]) -> dict[int, str]:
     files = {}
     for slot, pid in workers:
         path = stack_file(folder, slot, pid)
-        if STACK_SIGNAL is None or not os.path.exists(path):
+        if STACK_SIGNAL is None or path is None or not os.path.exists(path):
             continue  # a worker without the handler would die of the signal
         start = os.path.getsize(path)
         try:

@@ -29,17 +29,26 @@ systems get a daemon thread in the worker that polls twice a second.
 
 NOTE [ Worker stacks on timeout ]
 
-Each worker registers ``faulthandler`` on SIGUSR2 to write its Python stack into its own file
-in a folder the main process made. When ``timeout`` fires, the main process signals the
-workers that hold unfinished tasks and puts their stacks in the error.
+Each worker registers ``faulthandler`` on SIGUSR2 to write its Python stack into its own file.
+When ``timeout`` fires, the main process signals the workers that hold unfinished tasks and
+puts their stacks in the error. On Linux the file is a memfd (``memfd_create``): it lives in
+memory as long as the worker holds it, and the main process reads it through the worker's
+``/proc/<pid>/fd``. Nothing is on disk, so a training process killed by SIGTERM or SIGKILL
+(no finalizer runs) leaves nothing in the temp folder; a folder of files made by the main
+process (``fastloader-stacks-*``, removed when the pool is collected) is the fallback where
+there are no memfds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import random
+import shutil
 import signal
+import tempfile
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -53,11 +62,41 @@ from fastloader.parent_death import die_with_parent
 
 STACK_SIGNAL = getattr(signal, "SIGUSR2", None)
 _stack_files: list = []  # keeps the open stack file alive in this worker
+#: ``stack_folder`` when the workers' stack files are memfds (NOTE [ Worker stacks on timeout ]).
+IN_MEMORY = ""
+_MEMFD_NAME = "fastloader-stack-{slot}"
 
 
-def stack_file(folder: str, slot: int, pid: int) -> str:
-    """Where worker ``slot`` with process id ``pid`` writes its stack."""
-    return os.path.join(folder, f"worker-{slot}-{pid}.stack")
+def make_stack_folder(owner: Any) -> str:
+    """Where ``owner``'s (a worker pool's) workers put their stacks: ``IN_MEMORY`` where
+    memfds exist, else a temporary folder removed when ``owner`` is collected."""
+    if hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
+        return IN_MEMORY
+    folder = tempfile.mkdtemp(prefix="fastloader-stacks-")
+    weakref.finalize(owner, shutil.rmtree, folder, True)
+    return folder
+
+
+def stack_file(folder: str, slot: int, pid: int) -> str | None:
+    """Where worker ``slot`` with process id ``pid`` writes its stack (None: nowhere yet)."""
+    if folder != IN_MEMORY:
+        return os.path.join(folder, f"worker-{slot}-{pid}.stack")
+    fds = f"/proc/{pid}/fd"
+    wanted = f"/memfd:{_MEMFD_NAME.format(slot=slot)} "  # the link reads "... (deleted)"
+    try:
+        for name in os.listdir(fds):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"{fds}/{name}").startswith(wanted):
+                    return f"{fds}/{name}"
+    except OSError:
+        pass
+    return None
+
+
+def _open_stack_file(folder: str, slot: int) -> Any:
+    if folder != IN_MEMORY:
+        return open(stack_file(folder, slot, os.getpid()), "w")  # noqa: SIM115 (kept open)
+    return os.fdopen(os.memfd_create(_MEMFD_NAME.format(slot=slot), 0), "w")
 
 
 def register_stack_dump(folder: str | None, slot: int) -> None:
@@ -65,7 +104,7 @@ def register_stack_dump(folder: str | None, slot: int) -> None:
     if folder is None or STACK_SIGNAL is None:
         return
     try:
-        file = open(stack_file(folder, slot, os.getpid()), "w")  # noqa: SIM115 (kept open)
+        file = _open_stack_file(folder, slot)
         faulthandler.register(STACK_SIGNAL, file=file, all_threads=True, chain=False)
         _stack_files.append(file)
     except (OSError, RuntimeError, ValueError):

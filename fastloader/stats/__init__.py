@@ -2,10 +2,11 @@
 
 Runs in the main (training) process. ``timing.py`` (LoaderStats, timed_iter: the per-batch
 clock), ``epoch.py`` (EpochStats: one epoch's figures), ``diagnosis.py`` (NOTE [ The diagnosis ]:
-figures -> the one next step), ``batch_size.py`` (samples in a batch), ``io_probe.py`` (bytes a
-process read from storage).
+figures -> the one next step), ``settings.py`` (the loader's settings the advice depends on),
+``batch_size.py`` (samples in a batch), ``io_probe.py`` (bytes a process read from storage).
 
-May import: the standard library, torch, and nothing of fastloader outside ``stats/``.
+May import: the standard library, torch, and of fastloader only ``formats/`` (the memory the
+page cache may use).
 """
 
 from fastloader.stats.batch_size import batch_size

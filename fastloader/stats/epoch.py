@@ -39,6 +39,8 @@ class EpochStats:
             (``_io_probe.io_verdict``): input-bound on I/O, with what to do.
         worker_busy_s: seconds the workers spent loading samples during the epoch, summed over
             workers (None when they do not report it).
+        settings: the loader's ``LoaderSettings`` (stats/settings.py) when the loader gave
+            them: the diagnosis then advises only what would change the numbers.
     """
 
     epoch: int
@@ -55,6 +57,7 @@ class EpochStats:
     workers: int | None = None
     worker_busy_s: float | None = None
     io_note: str | None = None
+    settings: Any = None
     # the clock is looked up at each call, so a test can drive it (tests/test_stats.py)
     _started_at: float = dataclasses.field(default_factory=lambda: time.perf_counter(), repr=False)
     _busy: Any = dataclasses.field(default=None, repr=False)  # workers' shared array, running

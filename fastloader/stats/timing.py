@@ -73,7 +73,9 @@ class LoaderStats:
         self._last_handout = None
         self._expected = None
 
-    def watch_workers(self, workers: int, busy: Any = None, pids: Sequence[int] = ()) -> None:
+    def watch_workers(
+        self, workers: int, busy: Any = None, pids: Sequence[int] = (), settings: Any = None
+    ) -> None:
         """The current epoch is loaded by ``workers`` processes (0: the training process).
 
         Args:
@@ -82,9 +84,12 @@ class LoaderStats:
                 None if the workers do not report it.
             pids: the processes that load (for the bytes they read from storage, so that the
                 diagnosis can tell a pack bigger than memory: ``stats/io_probe.py``).
+            settings: the loader's ``LoaderSettings`` (``stats/settings.py``), for advice
+                that would change the numbers (NOTE [ Advice that changes the numbers ]).
         """
         stats = self._ensure_epoch()
         stats.workers = workers
+        stats.settings = settings
         stats._busy = busy
         stats._busy_at_start = float(sum(busy)) if busy is not None else 0.0
         stats._pids = tuple(pids)

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import shutil
-import tempfile
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -48,7 +45,7 @@ from fastloader.loader.supervision import (
     warn_never_started,
     warn_reseeded,
 )
-from fastloader.loader.worker_guard import WorkerInit
+from fastloader.loader.worker_guard import WorkerInit, make_stack_folder
 
 
 class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLoaderIter):
@@ -85,8 +82,7 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
         self._replaced = 0  # workers replaced so far
         self._broken: str | None = None
         self._parent_pid = os.getpid()
-        self._stack_folder = tempfile.mkdtemp(prefix="fastloader-stacks-")
-        weakref.finalize(self, shutil.rmtree, self._stack_folder, True)
+        self._stack_folder = make_stack_folder(self)  # NOTE [ Worker stacks on timeout ]
         self._reseeded = None  # see WorkerInit; checked until the first epoch ends
         if loader.worker_init_fn is not None and "reseeded" not in loader._warned:
             self._reseeded = context.RawValue("b", 0)
