@@ -97,7 +97,7 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
         started = time.perf_counter()
         super().__init__(loader)
         self.startup_s = time.perf_counter() - started
-        guard_reads(self._worker_result_queue, self._writing, self._workers)
+        self._reads = guard_reads(self._worker_result_queue, self._writing, self._workers)
         if self._supervised:  # from when every worker has been started (not before forking)
             self._starting = dict.fromkeys(range(loader.num_workers), time.monotonic())
         self._bind(loader)
@@ -371,6 +371,7 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
                 self._broken = verdict.broken
                 raise WorkersLostError(self._broken)
             if not never_started:  # one that never ran cannot hold the lock: a live one does
+                self._reads.drop_torn()
                 release_orphaned_write_lock(self._worker_result_queue)
             try:
                 self._start_worker(slot)
