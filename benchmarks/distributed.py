@@ -24,7 +24,7 @@ from typing import Any
 from torch.utils.data import DistributedSampler
 
 from fastloader import DataLoader
-from fastloader.distributed import ElasticDistributedSampler
+from fastloader.sampling.distributed import ElasticDistributedSampler
 
 SIZES = {
     #        samples, rounds

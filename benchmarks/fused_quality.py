@@ -1,6 +1,6 @@
 """Fused pixels against torchvision's: PSNR and time per image, on small and large photos.
 
-For each photo and transform, the fused decode (``fastloader.decoding``: DCT-scaled decode,
+For each photo and transform, the fused decode (``fastloader.vision.decoding``: DCT-scaled decode,
 crop, resize, flip) is compared with the same transform applied the plain way, as torchvision
 applies it: Pillow's full decode, then ``crop`` + Pillow's bilinear ``resize`` (same seeds, so
 the same boxes and flips). Two transforms: the training one, ``RandomResizedCrop(224)`` + flip,
@@ -45,7 +45,7 @@ TRANSFORMS = ("RandomResizedCrop(224)+flip", "Resize(256)+CenterCrop(224)")
 
 
 def _transforms(decoding: Any = None) -> dict:
-    """The two transforms, from ``fastloader.transforms`` (or a baseline's, next to
+    """The two transforms, from ``fastloader.vision.transforms`` (or a baseline's, next to
     ``decoding``)."""
     if decoding is None:
         from fastloader import transforms as T
@@ -100,7 +100,7 @@ def measure_psnr(paths: list[Path], seeds: int, decoding: Any = None) -> dict[st
     """PSNR of the fused output (of ``decoding``, default this version's) against
     torchvision's, per (photo, transform, seed)."""
     if decoding is None:
-        from fastloader import decoding
+        from fastloader.vision import decoding
 
     scores: dict[str, list[float]] = {name: [] for name in TRANSFORMS}
     for path in paths:
@@ -119,7 +119,7 @@ def measure_psnr(paths: list[Path], seeds: int, decoding: Any = None) -> dict[st
 
 def measure_seconds(paths: list[Path], seeds: int) -> dict[str, float]:
     """The median time of the fused call (decode included) per image, per transform."""
-    from fastloader.decoding import fuse
+    from fastloader.vision.decoding import fuse
 
     files = [path.read_bytes() for path in paths]
     times: dict[str, float] = {}
@@ -137,7 +137,7 @@ def measure_seconds(paths: list[Path], seeds: int) -> dict[str, float]:
 
 
 def load_baseline(checkout: str, workdir: Path) -> Any:
-    """The ``fastloader.decoding`` of another checkout, imported as ``fastloader_baseline``
+    """The ``fastloader.vision.decoding`` of another checkout, imported as ``fastloader_baseline``
     (its imports rewritten), so both versions run in one process, image by image."""
     import importlib
     import re
@@ -155,7 +155,7 @@ def load_baseline(checkout: str, workdir: Path) -> Any:
 def compare_seconds(paths: list[Path], seeds: int, baseline: Any) -> dict[str, float]:
     """Per transform: the median over images of (this version's time / the baseline's), each
     image timed with both versions back to back (alternating which goes first)."""
-    from fastloader.decoding import fuse
+    from fastloader.vision.decoding import fuse
 
     files = [path.read_bytes() for path in paths]
     ratios: dict[str, float] = {}

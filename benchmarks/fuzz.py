@@ -246,7 +246,7 @@ def judge_scan_damage(path: str) -> str:
     """Decode one damaged JPEG on every crop kind and seed; the trial's outcome."""
     import torch
 
-    from fastloader.decoding import fuse
+    from fastloader.vision.decoding import fuse
 
     data = Path(path).read_bytes()
 

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset
 
 from fastloader.device import DevicePrefetcher
-from fastloader.transforms import Normalize
+from fastloader.vision.transforms import Normalize
 
 SIZES = {
     #        batch, image side, warm-up steps, timed steps

@@ -30,7 +30,8 @@ from benchmarks._photos import photo_jpegs
 from benchmarks._progress import note
 from benchmarks._stats import paired_ratio
 from fastloader import DataLoader
-from fastloader.seeding import sample_seed, seed_rngs
+from fastloader.loader.seeding import seed_rngs
+from fastloader.sampling.seeds import sample_seed
 
 SIZES = {
     #        samples, batch, throughput rounds, epochs (epoch-start run), startup_s, seeding samples

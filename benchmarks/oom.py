@@ -58,8 +58,8 @@ from torch.utils.data import Dataset
 
 from benchmarks._cold import evict, memory_cgroup, read_ahead_path
 from benchmarks._photos import source_photos
-from fastloader._io_probe import sum_counters
-from fastloader.samplers import BlockShuffleSampler
+from fastloader.sampling.samplers import BlockShuffleSampler
+from fastloader.stats.io_probe import sum_counters
 
 SHAPE = (256, 341, 3)  # ImageNet at short side 256: 262 KB of pixels
 ENCODED_TIMES = 4  # JPEGs are ~10x smaller: 4x as many make the encoded pack bigger than memory
@@ -198,7 +198,7 @@ class Indices:
 
 def _pack(path: Path, advice: bool) -> Dataset:
     from fastloader import open_pack
-    from fastloader.transforms import CenterCrop
+    from fastloader.vision.transforms import CenterCrop
 
     dataset = open_pack(path, transform=CenterCrop(CROP), decode="tensor")
     dataset.read_advice = advice

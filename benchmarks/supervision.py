@@ -23,8 +23,8 @@ import torch
 from torch.utils.data import Dataset
 
 from fastloader import DataLoader
-from fastloader._iterators import WorkerPoolIter
-from fastloader._supervision import POLL_S
+from fastloader.loader.iterators import WorkerPoolIter
+from fastloader.loader.supervision import POLL_S
 
 SIZES = {
     #        samples, batch, throughput rounds, epochs per round, kills, load seconds/sample

@@ -23,7 +23,6 @@ import gc
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 # NOTE [ Fast command start-up ]
@@ -183,7 +182,7 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
         )
     if args.quality is not None and args.store != "jpeg":
         parser.error("--quality applies to --store jpeg")
-    from fastloader.packing import check_options  # the library's checks (no torch)
+    from fastloader.packing.options import check_options  # the library's checks (no torch)
 
     try:
         given = {"quality": args.quality, "image_timeout": args.image_timeout}
@@ -200,58 +199,6 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
     if (args.fields or args.image_field) and (args.src is None or os.path.isdir(args.src)):
         parser.error("--fields and --image-field apply to an HDF5 file SRC")
     return args
-
-
-def describe(path: str) -> str:
-    """Return a short description of the pack at ``path`` (what ``--info`` prints).
-
-    Args:
-        path: a pack written by ``fastloader-pack`` (either format).
-
-    Raises:
-        PackError: if the file is not a complete fastloader pack.
-        FileNotFoundError: if it does not exist.
-    """
-    from fastloader.formats import read_metadata
-    from fastloader.formats.records import UNBOUND_VERSION
-
-    metadata = read_metadata(path)
-    classes = metadata["classes"]
-    names = ", ".join(classes[:5]) + (", ..." if len(classes) > 5 else "")
-    info = metadata.get("info") or {}
-    lines = [
-        f"path:     {path}",
-        f"backend:  {metadata['backend']} (format version {metadata['version']})"
-        + (
-            ": record checksums not bound to positions; re-pack to bind them"
-            if metadata["version"] <= UNBOUND_VERSION
-            else ""
-        ),
-        f"store:    {metadata['store']}",
-        f"count:    {metadata['count']}",
-        f"classes:  {len(classes)}" + (f" ({names})" if classes else ""),
-        f"size:     {_human_size(os.path.getsize(path))}",
-    ]
-    schema = metadata.get("schema")
-    if schema is not None:  # a pack of any sample
-        lines[4] = f"samples:  {schema['structure']} of {len(schema['fields'])} fields"
-        lines[5:5] = [f"  {_field_text(field)}" for field in schema["fields"]]
-    if info:
-        lines.append("info:")
-        lines += [f"  {key}: {value}" for key, value in sorted(info.items())]
-    return "\n".join(lines)
-
-
-def _field_text(field: dict) -> str:
-    if field["kind"] == "array":
-        return f"{field['name']}: {field['ndim']}-d array of {field['dtype']}"
-    return f"{field['name']}: {field['kind']}"
-
-
-def _human_size(size: float) -> str:
-    from fastloader.formats.metadata import human_size
-
-    return human_size(size)
 
 
 def _one_line(error: BaseException) -> str:
@@ -274,8 +221,8 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
 
 
 def _run_pack(args: argparse.Namespace, prog: str) -> int:
-    from fastloader._pack_process import Terminated, signals_as_interrupts
     from fastloader.packing import pack
+    from fastloader.packing.process import Terminated, signals_as_interrupts
 
     with signals_as_interrupts():  # see NOTE [ Signals while packing ]
         try:
@@ -334,9 +281,10 @@ def _source(args: argparse.Namespace) -> tuple[Any, dict | None]:
     src = args.src
     if os.path.isdir(src) or not os.path.isfile(src):
         return src, None  # a folder (pack() reports a missing one)
-    with open(src, "rb") as file:
-        if file.read(8) != b"\x89HDF\r\n\x1a\n":
-            raise ValueError(f"{src}: SRC must be an image folder or an HDF5 file")
+    from fastloader.formats.signatures import is_hdf5_file
+
+    if not is_hdf5_file(src):
+        raise ValueError(f"{src}: SRC must be an image folder or an HDF5 file")
     from fastloader.formats.hdf5_foreign import HDF5File
 
     fields = [name for name in args.fields.split(",") if name] if args.fields else None
@@ -351,6 +299,8 @@ def _source(args: argparse.Namespace) -> tuple[Any, dict | None]:
 
 
 def _run_info(path: str, prog: str) -> int:
+    from fastloader.formats.info import describe
+
     try:
         print(describe(path))
     except _expected_errors() as error:
@@ -405,15 +355,15 @@ _COMMANDS = {
     "pack": "pack an image folder into one LMDB or HDF5 file (as fastloader-pack)",
     "info": "print what a pack holds",
     "verify": "read and check every record of a pack (exit 0 clean, 1 bad records, 2 unreadable)",
-    "bench": "run the benchmark demo (python -m benchmarks) inside a clone of the repository",
 }
 
 
 def _top_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fastloader",
-        description="fastloader's command line: pack image folders, inspect and verify packs, "
-        "run the benchmark demo. `fastloader COMMAND --help` for each command's options.",
+        description="fastloader's command line: pack image folders, inspect and verify packs "
+        "(the benchmark demo is `python -m benchmarks`, in a clone of the repository). "
+        "`fastloader COMMAND --help` for each command's options.",
     )
     parser.add_argument("--version", action="version", version=version_line())
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -432,41 +382,6 @@ def _pack_parser_for(name: str) -> argparse.ArgumentParser:
     return parser
 
 
-def _benchmarks_root() -> Path | None:
-    """The source checkout holding ``benchmarks/``: the one this package runs from, else the
-    current folder (a wheel installed, run from inside a clone); None if neither has it."""
-    for root in (Path(__file__).resolve().parents[1], Path.cwd()):
-        if (root / "benchmarks" / "__main__.py").is_file() and (root / "pyproject.toml").is_file():
-            return root
-    return None
-
-
-BENCH_NEEDS_CHECKOUT = (
-    "fastloader bench: the benchmarks are not part of the installed package: run it inside a "
-    'clone of fastloader\'s repository (`pip install -e ".[bench]"` there, then `fastloader '
-    "bench` or `python -m benchmarks`)"
-)
-
-
-def _run_bench(argv: Sequence[str]) -> int:
-    """Run ``benchmarks.__main__.main(argv)`` from a source checkout (see _benchmarks_root)."""
-    root = _benchmarks_root()
-    if root is None:
-        print(BENCH_NEEDS_CHECKOUT, file=sys.stderr)
-        return 1
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    from benchmarks.__main__ import main as bench_main
-
-    try:
-        return bench_main(list(argv), prog="fastloader bench")
-    except SystemExit as exit_:  # --help, a usage error
-        return exit_.code if isinstance(exit_.code, int) else 2
-    except KeyboardInterrupt:
-        print("fastloader bench: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-
-
 def version_line() -> str:
     """What ``--version`` prints: ``fastloader 0.1.0`` (no torch imported)."""
     from fastloader import __version__
@@ -482,8 +397,6 @@ def fastloader_main(argv: Sequence[str] | None = None) -> int:
 
 def _fastloader(argv: list[str]) -> int:
     command, rest = (argv[0], argv[1:]) if argv else (None, [])
-    if command == "bench":
-        return _run_bench(rest)
     if command == "pack":
         prog = "fastloader pack"
         args = _usage_exit(build_parser(prog), rest)

@@ -25,10 +25,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from fastloader.datasets import PackedDataset, open_pack
+from fastloader.datasets.packs import PackedDataset, open_pack
 from fastloader.formats import read_metadata
-from fastloader.loader import DataLoader
-from fastloader.stats import EpochStats
+from fastloader.loader.dataloader import DataLoader
+from fastloader.stats.timing import EpochStats
 
 PathLike = str | os.PathLike
 

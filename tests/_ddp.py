@@ -8,7 +8,7 @@ import torch.distributed as dist
 from _datasets import RandomDraws
 
 from fastloader import DataLoader
-from fastloader.distributed import gather_in_order
+from fastloader.sampling.distributed import gather_in_order
 
 SEED = 7
 

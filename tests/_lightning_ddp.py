@@ -16,7 +16,7 @@ import torch
 from _datasets import RandomDraws
 
 from fastloader import DataLoader
-from fastloader.distributed import gather_in_order
+from fastloader.sampling.distributed import gather_in_order
 
 CHECKPOINT_STEP = 8  # 6 steps per epoch and rank: 2 steps into epoch 1
 

@@ -305,7 +305,7 @@ class _HangOnceContext(multiprocessing.context.ForkContext):
 
 def never_started():
     """One worker never starts: it is replaced after STARTUP_TIMEOUT_S; epochs equal clean."""
-    from fastloader import _supervision
+    from fastloader.loader import supervision as _supervision
 
     _supervision.STARTUP_TIMEOUT_S = 1.0
     reference = _epochs(_loader())

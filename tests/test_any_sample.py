@@ -10,10 +10,10 @@ import torch
 
 import fastloader
 from fastloader import DataLoader, HDF5Dataset, LMDBDataset, PackError, pack, read_metadata
-from fastloader._pack_fields import SampleSchemaError
 from fastloader.cli import main as cli_main
-from fastloader.collate import RaggedFieldError, pad_ragged, ragged_as_lists
+from fastloader.datasets.collate import RaggedFieldError, pad_ragged, ragged_as_lists
 from fastloader.formats.hdf5_foreign import HDF5File
+from fastloader.packing.fields import SampleSchemaError
 from tests._fields import (
     POSE_COUNT,
     POSE_FIELDS,

@@ -14,11 +14,11 @@ import torch
 from torch.utils.data import Dataset, RandomSampler
 
 from fastloader import DataLoader, HDF5Dataset, LMDBDataset
-from fastloader._io_probe import IOCounters, io_verdict, read_counters, sum_counters
 from fastloader.formats import RecordKind, encode_record, open_writer
 from fastloader.formats import advice as advice_module
 from fastloader.formats.advice import ReadAdvice, page_ranges
-from fastloader.samplers import BlockShuffleSampler, EpochShuffleSampler, epoch_generator
+from fastloader.sampling.samplers import BlockShuffleSampler, EpochShuffleSampler, epoch_generator
+from fastloader.stats.io_probe import IOCounters, io_verdict, read_counters, sum_counters
 
 FORMATS = {"lmdb": (".lmdb", LMDBDataset), "hdf5": (".h5", HDF5Dataset)}
 PAGE = mmap.PAGESIZE

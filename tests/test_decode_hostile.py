@@ -18,8 +18,9 @@ import pytest
 import torch
 from PIL import Image
 
-from fastloader import ImageFolder, decoding, images, open_pack, pack
+from fastloader import ImageFolder, open_pack, pack
 from fastloader import transforms as T
+from fastloader.vision import decoding, images
 
 # Crops of every kind on a 320x240 photo: full-scale random crops (boxes under twice the
 # output: no DCT scale; the kind earlier versions region-decoded), DCT-scaled ones (a 1/4 or

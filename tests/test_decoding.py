@@ -10,8 +10,9 @@ import pytest
 import torch
 from PIL import Image
 
-from fastloader import HDF5Dataset, ImageFolder, LMDBDataset, PackError, decoding, pack
+from fastloader import HDF5Dataset, ImageFolder, LMDBDataset, PackError, pack
 from fastloader import transforms as T
+from fastloader.vision import decoding
 
 TRAIN = T.Compose([T.RandomResizedCrop(64), T.RandomHorizontalFlip(), T.PILToTensor()])
 EVAL = T.Compose([T.Resize(80), T.CenterCrop(64), T.PILToTensor()])

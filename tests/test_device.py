@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fastloader.device import DevicePrefetcher, move_to_device, pin, resolve_device
-from fastloader.transforms import Normalize
+from fastloader.vision.transforms import Normalize
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")

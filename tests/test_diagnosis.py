@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import Dataset
 
 from fastloader import DataLoader
-from fastloader.stats import EpochStats
+from fastloader.stats.timing import EpochStats
 
 
 class SleepsPerSample(Dataset):
@@ -102,7 +102,7 @@ def test_an_epoch_ends_with_its_last_batch_when_its_length_is_known():
 
 
 def test_a_batch_beyond_the_known_length_reopens_the_epoch():
-    from fastloader.stats import LoaderStats
+    from fastloader.stats.timing import LoaderStats
 
     stats = LoaderStats()
     stats.start_epoch(0)
@@ -224,9 +224,9 @@ def test_lightning_callback_logs_the_wait_fraction_every_epoch(tmp_path):
 
 
 def test_loading_that_reads_from_storage_is_named_input_bound_on_io():
-    """The summary tells a pack bigger than memory from slow decoding (see _io_probe.py)."""
-    from fastloader._io_probe import IOCounters, sum_counters
-    from fastloader.stats import LoaderStats
+    """The summary tells a pack bigger than memory from slow decoding (see stats/io_probe.py)."""
+    from fastloader.stats.io_probe import IOCounters, sum_counters
+    from fastloader.stats.timing import LoaderStats
 
     stats = LoaderStats()
     stats.start_epoch(0)

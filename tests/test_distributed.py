@@ -14,8 +14,8 @@ from _datasets import RandomDraws
 from _ddp import SEED, run_rank
 
 from fastloader import DataLoader
-from fastloader.distributed import ElasticDistributedSampler, gather_in_order
-from fastloader.samplers import epoch_permutation
+from fastloader.sampling.distributed import ElasticDistributedSampler, gather_in_order
+from fastloader.sampling.samplers import epoch_permutation
 
 N = 52  # with batch_size 3: 4 ranks take 4 full steps and a last one of 1 sample each
 BATCH = 3

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fastloader import DataLoader, HDF5Dataset, LMDBDataset, PackError, open_pack, pack
-from fastloader.foreign import HDF5FileDataset, LMDBFileDataset
+from fastloader.datasets.users_files import HDF5FileDataset, LMDBFileDataset
 from fastloader.formats.hdf5_foreign import HDF5File
 from tests._fields import POSE_COUNT, POSE_FIELDS, assert_same_sample, h5py_rows, make_pose_file
 from tests._images import ImageDataset

@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from fastloader import DataLoader, HDF5Dataset, LMDBDataset, PackError, open_pack, read_metadata
-from fastloader.datasets import DECODE_MODES
+from fastloader.datasets.packs import DECODE_MODES
 from fastloader.formats import (
     RecordKind,
     decode_record,
@@ -25,7 +25,7 @@ from fastloader.formats import (
     open_writer,
 )
 from fastloader.formats.metadata import _canonical, array_checksum
-from fastloader.transforms import CenterCrop, Compose, PILToTensor
+from fastloader.vision.transforms import CenterCrop, Compose, PILToTensor
 
 FORMATS = {"lmdb": (".lmdb", LMDBDataset), "hdf5": (".h5", HDF5Dataset)}
 CLASSES = ["cat", "dog", "fish"]

@@ -8,8 +8,9 @@ import torch
 from torch.utils.data import Dataset
 
 from fastloader import DataLoader
-from fastloader._rngs import FINGERPRINTS, StateKeeper
-from fastloader.seeding import batch_seeds, resolve_seed_rngs, sample_seed
+from fastloader.loader.rngs import FINGERPRINTS, StateKeeper
+from fastloader.loader.seeding import resolve_seed_rngs
+from fastloader.sampling.seeds import batch_seeds, sample_seed
 
 
 class SometimesDraws(Dataset):
@@ -208,7 +209,7 @@ def test_state_keeper_restores_exactly(pending_gaussian):
 def test_python_rng_state_is_read_in_place_on_cpython():
     import platform
 
-    from fastloader import _rngs
+    from fastloader.loader import rngs as _rngs
 
     if platform.python_implementation() == "CPython":
         assert _rngs._PYTHON_RAW  # else the getstate() fallback runs: correct, but slower

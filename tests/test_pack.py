@@ -25,11 +25,11 @@ from _images import (
 from PIL import Image, ImageFile
 
 from fastloader import PackError, PackSummary, open_pack, pack, read_metadata
-from fastloader._pack_worker import Options, encode_file, fit_within
 from fastloader.formats import HDF5Writer, LMDBWriter, RecordKind
-from fastloader.images import to_rgb
+from fastloader.packing.worker import Options, encode_file, fit_within
+from fastloader.vision.images import to_rgb
 
-pack_module = importlib.import_module("fastloader.packing")
+pack_module = importlib.import_module("fastloader.packing.pack")
 SUFFIX = {"lmdb": ".lmdb", "hdf5": ".h5"}
 
 
@@ -442,7 +442,7 @@ def test_samples_that_are_not_images_are_errors(tmp_path):
 def test_check_image_accepts_whole_files_and_refuses_cut_ones(kind):
     from PIL import UnidentifiedImageError
 
-    from fastloader.images import check_image
+    from fastloader.vision.images import check_image
 
     buffer = io.BytesIO()
     Image.fromarray(smooth_rgb(3)).save(buffer, kind)

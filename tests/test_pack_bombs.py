@@ -17,7 +17,7 @@ from _images import ImageDataset, encode
 from PIL import Image
 
 from fastloader import open_pack, pack
-from fastloader._image_limits import check_pixels
+from fastloader.vision.image_limits import check_pixels
 
 # --- crafted files ------------------------------------------------------------------------
 
@@ -191,8 +191,8 @@ import os, resource, sys
 limit = int(sys.argv.pop(1))
 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 if os.environ.get("NO_SCAN_CAP"):  # reach the time limit (forked workers inherit it)
-    import fastloader.images
-    fastloader.images.MAX_JPEG_SCANS = None
+    import fastloader.vision.images
+    fastloader.vision.images.MAX_JPEG_SCANS = None
 from fastloader.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -330,8 +330,8 @@ def test_jpegs_pillow_loads_despite_a_libjpeg_warning_are_packed(tmp_path):
 
 def test_a_slow_writer_never_makes_a_quick_image_late():
     """Results wait in the pipe while the writer is busy: that time is not the image's."""
-    from fastloader._pack_pool import encode_in_workers
-    from fastloader._pack_worker import DatasetEncoder, Options
+    from fastloader.packing.pool import encode_in_workers
+    from fastloader.packing.worker import DatasetEncoder, Options
 
     encoder = DatasetEncoder(ImageDataset("hwc", 4), Options("raw", 90, None), 2)
     results = []

@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fastloader import _pack_output, open_pack
+from fastloader import open_pack
 from fastloader.cli import main
-from fastloader.packing import pack
+from fastloader.packing import output as _pack_output
+from fastloader.packing.pack import pack
 
-pack_module = importlib.import_module("fastloader.packing")
+pack_module = importlib.import_module("fastloader.packing.pack")
 
 
 def _folder(root: Path, count: int, size: int = 16, noise: bool = False) -> Path:
@@ -52,7 +53,7 @@ _RACER = textwrap.dedent(
     import importlib, os, sys, time
     from fastloader.cli import main
 
-    pack_module = importlib.import_module("fastloader.packing")
+    pack_module = importlib.import_module("fastloader.packing.pack")
 
     target = sys.argv[2]
     folder, name = os.path.dirname(target), os.path.basename(target)

@@ -286,7 +286,7 @@ def test_version_1_state_mid_epoch_is_read_with_the_same_batch_size_and_a_warnin
 
 
 def test_version_1_state_mid_epoch_is_refused_for_the_global_distributed_order():
-    from fastloader.distributed import ElasticDistributedSampler
+    from fastloader.sampling.distributed import ElasticDistributedSampler
 
     dataset = RandomDraws(100)
     sampler = ElasticDistributedSampler(dataset, 4, num_replicas=2, rank=0)
@@ -361,7 +361,7 @@ def test_version_2_state_without_in_order_is_read_as_in_order():
 
 
 def test_a_block_shuffle_resumes_with_its_seed_and_refuses_other_blocks():
-    from fastloader.samplers import BlockShuffleSampler
+    from fastloader.sampling.samplers import BlockShuffleSampler
 
     data = list(range(100))
 

@@ -1,7 +1,7 @@
 """The cross-epoch schedule and the epoch cursor, alone (no torch iterator, no workers).
 
-See NOTE [ Cross-epoch prefetch ] in fastloader/_schedule.py and NOTE [ The epoch cursor ] in
-fastloader/_cursor.py.
+See NOTE [ Cross-epoch prefetch ] in fastloader/loader/schedule.py and NOTE [ The epoch cursor ] in
+fastloader/loader/cursor.py.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from torch.utils.data import BatchSampler
 
-from fastloader._cursor import EpochCursor
-from fastloader._schedule import EpochSchedule
+from fastloader.loader.cursor import EpochCursor
+from fastloader.loader.schedule import EpochSchedule
 
 
 class EpochOrder:

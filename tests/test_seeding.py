@@ -170,7 +170,7 @@ def test_main_process_loading_leaves_training_randomness_alone():
 
 
 def test_seed_rngs_equals_seeding_each_library_itself():
-    from fastloader.seeding import seed_rngs
+    from fastloader.loader.seeding import seed_rngs
 
     def draws():
         return (random.random(), random.gauss(0, 1), np.random.normal(), torch.randn(2).tolist())

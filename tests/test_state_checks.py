@@ -11,8 +11,8 @@ from _datasets import CountingStream, RandomDraws
 from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
 
 from fastloader import DataLoader
-from fastloader._state_checks import MAX_MESSAGE, validate_state
-from fastloader.distributed import ElasticDistributedSampler
+from fastloader.loader.state_checks import MAX_MESSAGE, validate_state
+from fastloader.sampling.distributed import ElasticDistributedSampler
 
 
 def _mid_epoch_state():

@@ -1,6 +1,6 @@
 """A torch upgrade that moves an internal fastloader relies on fails here, naming it.
 
-See NOTE [ torch internals fastloader relies on ] in fastloader/_iterators/__init__.py.
+See NOTE [ torch internals fastloader relies on ] in fastloader/loader/iterators/__init__.py.
 """
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from fastloader import DataLoader
-from fastloader._iterators import torch_internals
-from fastloader._iterators.worker_pool import WorkerPoolIter
+from fastloader.loader.iterators import torch_internals
+from fastloader.loader.iterators.worker_pool import WorkerPoolIter
 
 
 def test_every_torch_internal_we_call_is_there_with_the_arguments_we_pass():

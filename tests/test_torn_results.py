@@ -1,6 +1,6 @@
 """A worker killed while writing a result through the pipe: no hang, the epoch is whole.
 
-See NOTE [ Torn results ] in fastloader/_result_queue.py. Each scenario runs in its own
+See NOTE [ Torn results ] in fastloader/loader/result_queue.py. Each scenario runs in its own
 process with a time limit, so a hang is seen as a failure, not a stuck suite.
 """
 

@@ -12,7 +12,7 @@ from _images import smooth_rgb
 from PIL import Image
 
 from fastloader import transforms as T
-from fastloader.transforms import Normalize
+from fastloader.vision.transforms import Normalize
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

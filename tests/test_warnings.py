@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DistributedSampler, IterableDataset, TensorDataset
 
 from fastloader import DataLoader
-from fastloader._warnings import EmptyEpochWarning, warn_if_empty_epoch
+from fastloader.loader.setup_warnings import EmptyEpochWarning, warn_if_empty_epoch
 
 
 def _data(n: int) -> TensorDataset:

@@ -1,4 +1,10 @@
-"""Packed storage: one record codec and metadata schema, an LMDB and an HDF5 backend."""
+"""Packed storage: one record codec and metadata schema, an LMDB and an HDF5 backend.
+
+Also users' own HDF5 files and LMDB environments read in place, their structure checks, read
+advice and verification. Torch-free (NOTE [ Torch-free pack files ]).
+
+May import: the standard library, NumPy, h5py, lmdb, xxhash; nothing else of fastloader.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from fastloader.formats.records import (
     decode_record,
     encode_record,
 )
+from fastloader.formats.signatures import HDF5_SIGNATURE
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the lazy names below, imported eagerly
     from fastloader.formats.hdf5 import HDF5Pack, HDF5Writer
@@ -29,7 +36,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the lazy names below, imported 
 # is the torch-free storage core: the backends' readers (LMDBPack, HDF5Pack, on
 # formats.packfile.PackFile) open and check the file, its metadata, labels, records and source
 # paths with NumPy, lmdb and h5py only, and nothing in it imports from the rest of fastloader.
-# The torch datasets (fastloader/datasets.py: LMDBDataset = LMDBPack + PackedDataset) add
+# The torch datasets (fastloader/datasets/packs.py: LMDBDataset = LMDBPack + PackedDataset) add
 # decoding and transforms on top. h5py waits for an HDF5 pack (PEP 562, as
 # fastloader/__init__.py does). Pack workers test for tensors without importing torch
 # (packfile.is_tensor). tests/test_cli.py checks that packing a folder, `--info` and `--verify`
@@ -91,7 +98,6 @@ def _backend(format: str, role: str) -> Any:
 
 
 _SUFFIXES = {".lmdb": "lmdb", ".h5": "hdf5", ".hdf5": "hdf5"}
-_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 
 def format_from_suffix(path: str | os.PathLike) -> str:
@@ -152,7 +158,7 @@ def sniff_format(path: Path) -> str:
     """
     with open(path, "rb") as file:
         start = file.read(_LMDB_MAGIC_OFFSET + len(_LMDB_MAGIC))
-    if start.startswith(_HDF5_SIGNATURE):
+    if start.startswith(HDF5_SIGNATURE):
         return "hdf5"
     if start[_LMDB_MAGIC_OFFSET:] == _LMDB_MAGIC:
         return "lmdb"

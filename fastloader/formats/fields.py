@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from fastloader.formats.metadata import parse_json
+from fastloader.formats.bounded_json import parse_json
 from fastloader.formats.records import PackError
 
 __all__ = [

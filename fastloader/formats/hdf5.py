@@ -136,7 +136,7 @@ class HDF5Pack(PackFile):
     """The torch-free reader of a pack written by ``fastloader-pack`` in HDF5 format.
 
     ``--info``, ``--verify`` and ``read_metadata`` use it; ``HDF5Dataset``
-    (fastloader/datasets.py) is this reader with decoding and transforms. Arguments and errors
+    (fastloader/datasets/packs.py) is this reader with decoding and transforms. Arguments and errors
     as ``PackFile``.
     """
 

@@ -3,7 +3,7 @@
 ``HDF5File(path)`` reads a file that fastloader did not write: every top-level dataset (or each
 one named in ``fields``, groups addressed by path such as ``"labels/boxes"``) whose first
 dimension is the sample count is a field, and ``file[i]`` is ``{name: row i}``. Torch-free; the
-torch dataset is ``fastloader.foreign.HDF5FileDataset``.
+torch dataset is ``fastloader.datasets.users_files.HDF5FileDataset``.
 
 NOTE [ Foreign HDF5 files ]
 A user's file is the user's own data: it carries no checksum, so a flipped bit in it reads as
@@ -44,11 +44,11 @@ import numpy as np
 
 from fastloader.formats.packfile import ForkSafeFile, check_file, file_identity, sample_row
 from fastloader.formats.records import PackError
+from fastloader.formats.signatures import HDF5_SIGNATURE
 
 __all__ = ["HDF5File", "is_hdf5_pack"]
 
 _PACK_NAMES = frozenset(("records", "offsets", "targets", "metadata", "sources", "source_offsets"))
-_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _MAX_INFLATION = 1032  # deflate's largest ratio: a row larger than that is not in the file
 
 
@@ -70,7 +70,7 @@ def is_hdf5_pack(path: str | os.PathLike) -> bool:
     path = Path(path)
     try:
         with open(path, "rb") as file:
-            if file.read(len(_HDF5_SIGNATURE)) != _HDF5_SIGNATURE:
+            if file.read(len(HDF5_SIGNATURE)) != HDF5_SIGNATURE:
                 return True
         with h5py.File(path, "r") as file:
             names = set(file.keys())

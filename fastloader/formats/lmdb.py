@@ -169,7 +169,7 @@ class LMDBPack(PackFile):
     """The torch-free reader of a pack written by ``fastloader-pack`` in LMDB format.
 
     ``--info``, ``--verify`` and ``read_metadata`` use it; ``LMDBDataset``
-    (fastloader/datasets.py) is this reader with decoding and transforms. Arguments and errors
+    (fastloader/datasets/packs.py) is this reader with decoding and transforms. Arguments and errors
     as ``PackFile``.
     """
 

@@ -3,7 +3,7 @@
 ``LMDBFile(path)`` reads an environment fastloader did not write (a folder with ``data.mdb``,
 as ``lmdb.open`` makes by default, or a single file). Values come back as ``bytes``, or as what
 the user's ``decode`` callable makes of them: fastloader never unpickles on its own. Torch-free;
-the torch dataset is ``fastloader.foreign.LMDBFileDataset``.
+the torch dataset is ``fastloader.datasets.users_files.LMDBFileDataset``.
 
 NOTE [ Foreign LMDB environments ]
 As for HDF5 (NOTE [ Foreign HDF5 files ] in hdf5_foreign.py), a user's environment carries no

@@ -14,7 +14,6 @@ parsed the same way to check it, so a flipped byte in a class name or a count is
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from fastloader.formats.bounded_json import parse_json
+from fastloader.formats.fields import check_schema
 from fastloader.formats.records import (
     FIELDS_VERSION,
     FORMAT_NAME,
@@ -32,10 +33,7 @@ from fastloader.formats.records import (
     PackError,
 )
 
-MAX_METADATA_BYTES = 64 << 20  # a million class names fit many times over
-MAX_DEPTH = 16  # our own metadata nests 3 deep
 MAX_RECORDS = 1 << 40
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 
 
 def array_checksum(data: bytes | memoryview | np.ndarray) -> str:
@@ -86,33 +84,6 @@ def dump_metadata(metadata: dict[str, Any]) -> bytes:
     return json.dumps(metadata, sort_keys=True).encode()
 
 
-def _depth(raw: bytes) -> int:
-    """The nesting depth of JSON text, found without parsing it (strings blanked out)."""
-    skeleton = np.frombuffer(_STRING.sub(b'""', raw), dtype=np.uint8)
-    steps = np.zeros(len(skeleton), dtype=np.int64)
-    steps[(skeleton == ord("[")) | (skeleton == ord("{"))] = 1
-    steps[(skeleton == ord("]")) | (skeleton == ord("}"))] = -1
-    return int(np.cumsum(steps).max()) if len(steps) else 0
-
-
-def parse_json(raw: bytes | str, path: Path, what: str = "metadata") -> Any:
-    """Parse bounded JSON: at most MAX_METADATA_BYTES and MAX_DEPTH deep.
-
-    Raises:
-        PackError: naming the file, for JSON that is too large, too deep, or invalid.
-    """
-    if isinstance(raw, str):
-        raw = raw.encode("utf-8", "surrogatepass")
-    if len(raw) > MAX_METADATA_BYTES:
-        raise PackError(f"{path}: corrupt {what} ({len(raw)} bytes, at most {MAX_METADATA_BYTES})")
-    if _depth(raw) > MAX_DEPTH:
-        raise PackError(f"{path}: corrupt {what} (JSON nested deeper than {MAX_DEPTH} levels)")
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as error:  # JSONDecodeError, bad UTF-8, huge numbers
-        raise PackError(f"{path}: corrupt {what} ({' '.join(str(error).split())[:200]})") from None
-
-
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -160,8 +131,6 @@ def load_metadata(raw: bytes | str | None, path: Path, backend: str) -> dict[str
     if problems:
         raise PackError(f"{path}: corrupt metadata ({'; '.join(problems)})")
     if "schema" in metadata:
-        from fastloader.formats.fields import check_schema
-
         check_schema(metadata["schema"], path)
     return metadata
 

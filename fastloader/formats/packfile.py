@@ -2,7 +2,7 @@
 
 ``PackFile`` is the reading core every pack reader shares: lazy, fork-safe opening (see NOTE
 [ Fork-safe readers ]), the checked metadata and labels, records read undecoded and verified,
-source paths. The torch datasets (``fastloader.datasets``: ``PackedDataset`` and the backends'
+source paths. The torch datasets (``fastloader.datasets.packs``: ``PackedDataset`` and the backends'
 datasets) add decoding and transforms on top. ``--info``, ``--verify`` and packing use only this
 module and the backends' readers and writers, so they never import torch (see NOTE [ Torch-free
 pack files ] in formats/__init__.py).

@@ -1,0 +1,169 @@
+"""Reading a pack of any sample: a FIELDS record back to the dict or tuple that was packed.
+
+Runs in whichever process reads, for ``PackedDataset`` (datasets.py) over a format-4 pack. The
+payload codec is torch-free (formats/fields.py); this decodes image fields as the dataset's
+``decode`` mode says, with fused decoding when ``transform`` allows it (NOTE [ Fused decoding ]
+in decoding.py), and applies the transforms.
+
+NOTE [ Transforms of a pack of fields ]
+``transform`` is what torchvision users pass for images, so it goes to the pack's image field
+(the first one, in schema order), fused with decoding where it can be; a pack without an image
+field gives it the whole sample. ``sample_transform`` then sees the whole sample (the dict or
+tuple), to move boxes and keypoints with the image or to build the training tuple.
+``target_transform`` belongs to (image, label) packs and is refused here.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+
+from fastloader.formats.fields import IMAGE_RAW, FieldsDecoder
+from fastloader.formats.records import PackError, Record, RecordKind
+from fastloader.vision.decoding import fuse
+from fastloader.vision.stored_images import decode_image
+
+__all__ = ["check_fields_options", "load_fields"]
+
+
+def check_fields_options(dataset: Any) -> str | None:
+    """The image field ``transform`` goes to (None: the whole sample, or an image pack).
+
+    Raises:
+        ValueError: for ``target_transform`` on a pack of fields, or ``sample_transform`` on a
+            pack of (image, label).
+    """
+    if dataset.schema is None:
+        if dataset.with_geometry:
+            raise ValueError(f"{dataset.path}: with_geometry is for packs of fields")
+        if dataset.sample_transform is not None:
+            raise ValueError(
+                f"{dataset.path}: sample_transform is for packs of fields; this pack holds "
+                f"(image, label) samples: use transform and target_transform"
+            )
+        return None
+    if dataset.with_geometry and dataset.schema["structure"] != "dict":
+        raise ValueError(f"{dataset.path}: with_geometry needs dict samples")
+    if dataset.target_transform is not None:
+        raise ValueError(
+            f"{dataset.path}: target_transform is for (image, label) packs; this pack holds "
+            f"samples of fields: use sample_transform (NOTE [ Transforms of a pack of fields ])"
+        )
+    images = [field["name"] for field in dataset.schema["fields"] if field["kind"] == "image"]
+    return images[0] if images else None
+
+
+def load_fields(dataset: Any, position: int, buffer: Any) -> Any:
+    """Decode and transform record ``position`` of a pack of fields, checksum verified."""
+    reader = dataset.__dict__.get("_fields_reader")
+    if reader is None or reader.key != (dataset.transform, dataset.decode):
+        reader = dataset._fields_reader = _FieldsReader(dataset)  # not pickled: see datasets.py
+    return reader.load(position, buffer)
+
+
+class _FieldsReader:
+    """What reading a pack of fields needs, planned once per dataset (and transform)."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+        self.key = (dataset.transform, dataset.decode)
+        self.mode = dataset.decode
+        self.target = dataset._image_field
+        use_fused = self.target is not None and self.mode != "bytes"
+        self.fused = fuse(dataset.transform) if use_fused else None
+        self.decoder = FieldsDecoder(dataset.schema)
+        self.geometry: dict | None = None  # of the last image: NOTE [ Crop box and flip ]
+        self.with_geometry = dataset.with_geometry
+        if self.fused is not None and self.with_geometry:
+            self.fused = _recording(self.fused, self)
+
+    def load(self, position: int, buffer: Any) -> Any:
+        dataset = self.dataset
+        where = f"{dataset.path} record {position}"
+
+        def decode(record: Record) -> Any:
+            if record.kind is not RecordKind.FIELDS:
+                raise PackError(f"{where}: an image record in a pack of fields (corrupt pack)")
+            return self.decoder.decode(record.payload, where, self.image)
+
+        self.geometry = None
+        sample = dataset._checked(position, buffer, decode)
+        transform, target = dataset.transform, self.target
+        if self.with_geometry and isinstance(sample, dict):
+            sample[f"{target}_geometry"] = self.geometry
+        if transform is not None and self.fused is None:
+            if target is None:
+                sample = transform(sample)
+            elif isinstance(sample, dict):
+                sample[target] = transform(sample[target])
+            else:
+                at = _index_of(dataset.schema, target)
+                sample = _replaced(sample, at, transform(sample[at]))
+        if dataset.sample_transform is not None:
+            sample = dataset.sample_transform(sample)
+        return sample
+
+    def image(self, stored: int, shape: Any, data: memoryview, name: str) -> Any:
+        """An image field's value, as the dataset's ``decode`` mode (and fused transform) say."""
+        fused = self.fused if name == self.target else None
+        if stored == IMAGE_RAW:
+            if fused is not None:
+                return fused.apply_raw(np.frombuffer(data, np.uint8).reshape(shape), self.mode)
+            if self.mode == "numpy":
+                return np.frombuffer(data, np.uint8).reshape(shape).copy()
+        record = Record(
+            0, RecordKind.RAW if stored == IMAGE_RAW else RecordKind.ENCODED, shape, data
+        )
+        where = f"{self.dataset.path} field {name!r}"
+        if fused is None:
+            return decode_image(record, self.mode, where)
+        plain = lambda: decode_image(record, self.mode, where)  # noqa: E731
+        return fused.apply_encoded(data, plain, self.mode)
+
+
+# NOTE [ Crop box and flip ]
+# A fused transform crops, resizes and flips the image field while decoding it; boxes and
+# keypoints must follow, and only the user's code knows them. With `with_geometry=True` a dict
+# sample gets "<image field>_geometry": the box that was cut from the stored image (left, top,
+# width, height, in its pixels, as floats), the size it was resized to (out_height,
+# out_width), whether it was then mirrored (flip), and the stored image's size (source_height,
+# source_width); None when the transform did not run fused. A point (x, y) of the stored image
+# lands at ((x - left) * out_width / width, (y - top) * out_height / height), then
+# x -> out_width - x if flip. The box is recorded by wrapping the fused transform's own draw
+# (a copy of it, held by this reader only), so the draws are the ones that made the image.
+
+
+def _recording(fused: Any, reader: _FieldsReader) -> Any:
+    recorder = copy.copy(fused)
+    draw = fused.draw
+
+    def recording_draw(height: int, width: int) -> Any:
+        geometry = draw(height, width)
+        if geometry is not None:
+            reader.geometry = {
+                "left": geometry.left,
+                "top": geometry.top,
+                "width": geometry.width,
+                "height": geometry.height,
+                "out_height": geometry.out_height,
+                "out_width": geometry.out_width,
+                "flip": bool(geometry.flip),
+                "source_height": height,
+                "source_width": width,
+            }
+        return geometry
+
+    recorder.draw = recording_draw
+    return recorder
+
+
+def _index_of(schema: dict, name: str) -> int:
+    return [field["name"] for field in schema["fields"]].index(name)
+
+
+def _replaced(sample: tuple | list, at: int, value: Any) -> tuple | list:
+    items = list(sample)
+    items[at] = value
+    return tuple(items) if isinstance(sample, tuple) else items

@@ -1,0 +1,51 @@
+"""Iterator subclasses of torch's: the only place fastloader touches torch's DataLoader internals.
+
+- ``common.py``: what both iterators add (the seeded dataset, the loader's bookkeeping, the
+  device copy) and ``SingleProcessIter`` (``num_workers=0``);
+- ``worker_pool.py``: ``WorkerPoolIter``, worker processes kept across epochs, fed ahead
+  (NOTE [ Cross-epoch prefetch ] in loader/schedule.py) and supervised (NOTE [ Supervised
+  workers ] in loader/supervision.py);
+- ``torch_internals.py``: the list of what we rely on, checked against the installed torch.
+
+Everything here runs in the main process, except what torch's worker loop runs with the
+objects built here (the seeded dataset wrappers and ``WorkerInit``).
+
+NOTE [ torch internals fastloader relies on ]
+
+Every touch of torch's private DataLoader machinery is in this package. Tested with torch
+2.13.0 and 2.14.1 (the range pinned in pyproject.toml). We subclass
+``_SingleProcessDataLoaderIter`` and ``_MultiProcessingDataLoaderIter`` (so ``iter(loader)``
+is torch's iterator, ``_BaseDataLoaderIter``) and rely on:
+
+- ``_BaseDataLoaderIter.__init__`` assigning ``self._dataset`` and the multiprocessing
+  iterator reading ``self._worker_init_fn`` before it starts workers: both are properties here,
+  so workers receive the seeded wrapper and fastloader's init function;
+- ``_BaseDataLoaderIter.__next__`` (profiler label, ``_num_yielded``), called around our
+  bookkeeping;
+- ``_next_index()`` being the only place indices are drawn (``_try_put_index`` treats its
+  StopIteration as "nothing to send now"), called just before a task is sent as
+  ``(self._send_idx, task)``;
+- ``_next_data()``, ``_reset(loader)``, ``_try_put_index()``, ``_process_data()``,
+  ``_get_data()``, ``_try_get_data()``, ``_shutdown_workers()`` and the state ``_send_idx``,
+  ``_rcvd_idx``, ``_task_info``, ``_tasks_outstanding``, ``_prefetch_factor``, ``_in_order``,
+  ``_workers``, ``_index_queues``, ``_worker_result_queue``, ``_workers_done_event``,
+  ``_workers_status``, ``_base_seed``, ``_shared_seed``, ``_worker_pids_set``, ``_shutdown``;
+- ``_utils.worker._worker_loop``'s argument list (replacement workers are started with it),
+  ``_utils.worker._ResumeIteration``, and ``_utils.signal_handling._remove_worker_pids``
+  (see NOTE [ Supervised workers ] in loader/supervision.py);
+- ``torch.utils.data._utils.worker.WorkerInfo`` being a plain object whose ``dataset`` we
+  point back at the user's dataset.
+
+What does not touch torch internals lives outside: the schedule (loader/schedule.py), the epoch
+cursor (loader/cursor.py), the supervision policy (loader/supervision.py), what runs in workers
+(loader/worker_guard.py, loader/result_queue.py). ``torch_internals.py`` lists each name with the
+signature we call, and tests/test_torch_internals.py fails naming what moved on a torch
+upgrade.
+
+See NOTE [ Cross-epoch prefetch ] in loader/schedule.py for how tasks run ahead into the next epoch.
+"""
+
+from fastloader.loader.iterators.common import SingleProcessIter, order_is_predictable
+from fastloader.loader.iterators.worker_pool import WorkerPoolIter
+
+__all__ = ["SingleProcessIter", "WorkerPoolIter", "order_is_predictable"]

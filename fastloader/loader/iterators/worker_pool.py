@@ -1,0 +1,440 @@
+"""``WorkerPoolIter``: worker processes kept across epochs, fed ahead, and supervised.
+
+Runs in the main process; the workers run torch's worker loop with the objects built here (the
+seeded dataset wrapper, ``WorkerInit``). See NOTE [ torch internals fastloader relies on ] in
+__init__.py, NOTE [ Cross-epoch prefetch ] in loader/schedule.py and NOTE [ Supervised workers ] in
+loader/supervision.py.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.data import (
+    _utils,
+)
+from torch.utils.data.dataloader import (
+    _DatasetKind,
+    _MultiProcessingDataLoaderIter,
+)
+
+from fastloader.loader import supervision as _supervision
+from fastloader.loader.iterators.common import (
+    LoaderIterMixin,
+    SeededDatasetMixin,
+    order_is_predictable,
+    schedule_for,
+)
+from fastloader.loader.result_queue import guard_reads
+from fastloader.loader.seeding import Task, seeding_options
+from fastloader.loader.supervision import (
+    NOT_STARTED,
+    POLL_S,
+    DeathLedger,
+    WorkersLostError,
+    judge_death,
+    release_orphaned_write_lock,
+    stall_report,
+    warn_death,
+    warn_never_started,
+    warn_reseeded,
+)
+from fastloader.loader.worker_guard import WorkerInit
+
+
+class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLoaderIter):
+    """Worker processes that serve epoch after epoch, supervised.
+
+    See NOTE [ Cross-epoch prefetch ] and NOTE [ Supervised workers ] (loader/supervision.py).
+    """
+
+    supervise = True  # False turns supervision off (benchmarks/supervision.py measures it)
+
+    def __init__(self, loader: Any, epoch: int, skip: int = 0) -> None:
+        self._seed = loader.seed
+        self._seeding = seeding_options(loader)
+        self._cursor = loader._cursor
+        context = loader.multiprocessing_context or multiprocessing.get_context()
+        self._shared_epoch = context.RawValue("q", epoch)
+        self._schedule = None
+        if loader._dataset_kind == _DatasetKind.Map:
+            may_cross = loader.persistent_workers and order_is_predictable(loader)
+            self._schedule = schedule_for(loader, may_cross)
+            self._schedule.start(epoch, skip)
+        self._supervised = WorkerPoolIter.supervise and self._schedule is not None
+        self._starting: dict[int, float] = {}  # slot -> when started (NOTE [ Worker start-up ])
+        self._forks = context.get_start_method() == "fork"
+        if self._supervised:
+            self._progress = context.RawArray("q", [NOT_STARTED] * loader.num_workers)
+        if self._schedule is not None:
+            self.busy_seconds = context.RawArray("d", loader.num_workers)
+        self._process_factory = loader.multiprocessing_context or torch.multiprocessing
+        self._ledger = DeathLedger()
+        self._sent_tasks: dict[int, Task] = {}
+        self._settled: list[tuple[int, Any]] = []  # poison verdicts, handed on as results
+        self._resetting = False
+        self._replaced = 0  # workers replaced so far
+        self._broken: str | None = None
+        self._parent_pid = os.getpid()
+        self._stack_folder = tempfile.mkdtemp(prefix="fastloader-stacks-")
+        weakref.finalize(self, shutil.rmtree, self._stack_folder, True)
+        self._reseeded = None  # see WorkerInit; checked until the first epoch ends
+        if loader.worker_init_fn is not None and "reseeded" not in loader._warned:
+            self._reseeded = context.RawValue("b", 0)
+        self._writing = context.RawArray("b", loader.num_workers)  # NOTE [ Torn results ]
+        self._epoch = epoch
+        self._delivered = skip
+        self._epoch_done = False
+        started = time.perf_counter()
+        super().__init__(loader)
+        self.startup_s = time.perf_counter() - started
+        self._reads = guard_reads(self._worker_result_queue, self._writing, self._workers)
+        if self._supervised:  # from when every worker has been started (not before forking)
+            self._starting = dict.fromkeys(range(loader.num_workers), time.monotonic())
+        self._bind(loader)
+
+    @property
+    def _worker_init_fn(self) -> WorkerInit:
+        return self.__dict__["_fastloader_worker_init"]
+
+    @_worker_init_fn.setter
+    def _worker_init_fn(self, user_fn: Callable[[int], None] | None) -> None:
+        if not isinstance(user_fn, WorkerInit):
+            user_fn = WorkerInit(
+                user_fn, self._parent_pid, self._stack_folder, self._reseeded, self._writing
+            )
+            user_fn.forked_from_main_thread = _in_main_thread()
+        self.__dict__["_fastloader_worker_init"] = user_fn
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """PIDs of the live worker processes."""
+        return [w.pid for w in self._workers if w.is_alive()]
+
+    def needs_restart(self) -> bool:
+        """Whether the next epoch needs a fresh pool (broken, interrupted, or unsupervised)."""
+        if self._shutdown or self._broken is not None or self._interrupted:
+            return True
+        return not self._supervised and bool(self._dead_slots())
+
+    def begin_epoch(self, loader: Any, epoch: int, skip: int = 0) -> None:
+        """Serve ``epoch`` next, from its ``skip``-th batch on."""
+        if self._supervised:
+            dead = self._dead_slots()
+            if dead:
+                self._heal(dead)
+        if self._schedule is None:  # iterable dataset: torch's reset, with the new epoch
+            self._shared_epoch.value = epoch
+            self._reset(loader)
+        elif self._continues_into(epoch, skip):
+            self._fill()
+        elif self._tasks_outstanding == 0 and not self._task_info:
+            self._schedule.start(epoch, skip)
+            # nothing in flight; after in_order=False, fastloader's own end of epoch may have
+            # left torch's _rcvd_idx behind (torch catches it up only in its own walk)
+            self._rcvd_idx = self._send_idx
+            self._fill()
+        else:  # stale batches in flight: drain them with torch's reset, then restart
+            self._schedule.start(epoch, skip)
+            self._reset(loader)
+        self._epoch = epoch
+        self._delivered = skip
+        self._epoch_done = False
+        self._num_yielded = 0  # torch's per-epoch count (its _reset is skipped when continuing)
+        self._bind(loader)
+
+    def _continues_into(self, epoch: int, skip: int) -> bool:
+        # True when the tasks in flight are exactly epoch `epoch` from its first batch on.
+        return (
+            skip == 0
+            and self._schedule.epoch == epoch == self._epoch + 1
+            and self._delivered == self._schedule.lengths.get(self._epoch)
+        )
+
+    def _fill(self) -> None:
+        # Tasks sent but not yet returned, including results that arrived out of order: torch
+        # sends a new task only when one is returned, so this stays within its limit.
+        # (in_order=False hands results out as they arrive, so _rcvd_idx can lag behind; it
+        # never continues into the next epoch, and begin_epoch catches _rcvd_idx up when
+        # nothing is in flight.)
+        limit = self._prefetch_factor * self._num_workers
+        while self._send_idx - self._rcvd_idx < limit:
+            sent = self._send_idx
+            self._try_put_index()
+            if self._send_idx == sent:
+                break
+
+    # -- what torch's loop calls ------------------------------------------------------------
+
+    def _next_index(self) -> Any:
+        if self._schedule is None:
+            return super()._next_index()
+        number = self._send_idx  # torch sends this task under this number
+        task = self._schedule.next_task(number)
+        self._sent_tasks[number] = task
+        return task
+
+    def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        if first_iter and self._supervised and self._worker_pids_set:
+            # torch registered the new workers with its SIGCHLD handler just before this first
+            # reset; that handler would raise inside whatever the main thread runs when a worker
+            # dies, and supervision finds dead workers itself (NOTE [ Supervised workers ]).
+            _utils.signal_handling._remove_worker_pids(id(self))
+            self._worker_pids_set = False
+        self._sent_tasks.clear()
+        self._settled.clear()
+        self._ledger.reset()
+        self._resetting = True
+        try:
+            super()._reset(loader, first_iter)
+        finally:
+            self._resetting = False
+
+    def _next_data(self) -> Any:
+        if self._schedule is not None:
+            broken = self._broken is not None
+            if broken and self._schedule.epoch == self._epoch:
+                self._schedule.finish_epoch()  # no more tasks are sent: count them
+            length = self._schedule.lengths.get(self._epoch)
+            if self._epoch_done or (length is not None and self._delivered >= length):
+                self._epoch_done = True
+                raise StopIteration
+            if broken:  # NOTE [ Supervised workers ]: each remaining batch raises
+                self._delivered += 1
+                raise WorkersLostError(self._broken)
+        try:
+            return super()._next_data()
+        except StopIteration:
+            self._epoch_done = True
+            self._reseeded = None
+            raise
+        except WorkersLostError:
+            self._delivered += 1  # raised in place of the batch torch was waiting for
+            raise
+
+    def _process_data(self, data: Any, worker_idx: int) -> Any:
+        # Counted before torch re-raises a failed batch: it counts toward the epoch's end.
+        self._delivered += 1
+        if self._reseeded is not None and self._reseeded.value:
+            self._warn_reseeded()
+        return super()._process_data(data, worker_idx)
+
+    def _warn_reseeded(self) -> None:
+        self._reseeded = None
+        loader = self._loader_ref()
+        if loader is not None:
+            loader._warned.add("reseeded")
+        warn_reseeded()
+
+    def _get_data(self) -> Any:
+        while True:
+            if self._broken is not None:
+                raise WorkersLostError(self._broken)
+            if self._timeout > 0:
+                success, item = self._try_get_data(self._timeout)
+                if not success:
+                    raise RuntimeError(self._stall_report())
+            else:  # torch's wait (pin-memory thread check included)
+                item = super()._get_data()
+            if self._is_expected(item[0]):
+                return item
+
+    def _is_expected(self, idx: Any) -> bool:
+        """Whether a result is one torch waits for (not a duplicate after a replacement)."""
+        if type(idx) is int:
+            info = self._task_info.get(idx)
+            if info is None or len(info) != 1:
+                return False  # delivered already, by a worker that died after sending it
+            if self._sent_tasks:
+                self._sent_tasks.pop(idx, None)
+            if self._replaced:
+                self._ledger.progressed(info[0])
+            return True
+        # an extra acknowledgement from a worker replaced during a reset is dropped
+        return self._resetting or not isinstance(idx, _utils.worker._ResumeIteration)
+
+    def _try_get_data(self, timeout: float = _utils.MP_STATUS_CHECK_INTERVAL) -> Any:
+        if not self._supervised:
+            return super()._try_get_data(timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._settled:  # a poison verdict is the result of its task
+                return True, self._settled.pop(0)
+            wait = min(POLL_S, max(0.0, deadline - time.monotonic()))
+            success, data = self._poll_results(wait)
+            if success:
+                return success, data
+            if self._starting:
+                self._check_starts()
+            if not self._settled and time.monotonic() >= deadline:
+                return False, None
+
+    def _poll_results(self, wait: float) -> tuple[bool, Any]:
+        """torch's wait for one result, for ``wait`` seconds; dead workers found meanwhile
+        are replaced (their verdicts land in ``_settled``)."""
+        try:
+            return super()._try_get_data(wait)
+        except RuntimeError:  # torch found a dead worker
+            dead = self._dead_slots()
+            if not dead:
+                raise
+            self._heal(dead)
+        except (OSError, EOFError):
+            # A result whose tensors lived in a worker that has died cannot be rebuilt.
+            # Its task was (or is now) re-sent with the dead worker's other tasks.
+            dead = self._wait_for_a_death(1.0)
+            if dead:
+                self._heal(dead)
+            elif not self._replaced:
+                raise
+        return False, None
+
+    def _shutdown_workers(self) -> None:
+        if "_shutdown" not in self.__dict__:  # __init__ failed before starting workers
+            return
+        if getattr(self, "_parent_pid", os.getpid()) != os.getpid():
+            self._shutdown = (
+                True  # a copy collected in a forked child: the workers are the parent's
+            )
+            return
+        super()._shutdown_workers()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes now."""
+        self._shutdown_workers()
+
+    # -- supervision: see NOTE [ Supervised workers ] ---------------------------------------
+
+    def _dead_slots(self) -> list[int]:
+        return [slot for slot, worker in enumerate(self._workers) if not worker.is_alive()]
+
+    def _wait_for_a_death(self, seconds: float) -> list[int]:
+        # The sender of a result that cannot be rebuilt is exiting; wait until it is gone.
+        deadline = time.monotonic() + seconds
+        while not (dead := self._dead_slots()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return dead
+
+    def _check_starts(self) -> None:
+        # NOTE [ Worker start-up ] (loader/supervision.py)
+        now = time.monotonic()
+        for slot, since in list(self._starting.items()):
+            if self._progress[slot] != NOT_STARTED:
+                del self._starting[slot]
+            elif now - since >= _supervision.STARTUP_TIMEOUT_S:
+                del self._starting[slot]
+                worker = self._workers[slot]
+                if not self._forks:
+                    warn_never_started(slot, worker.pid, replaced=False)
+                    continue
+                if self._progress[slot] != NOT_STARTED:  # it started just now after all
+                    continue
+                worker.kill()
+                worker.join(timeout=5.0)
+                self._heal([slot], never_started=True)
+
+    def _heal(self, slots: list[int], never_started: bool = False) -> None:
+        # Mechanics only; what a death means is _supervision.judge_death's to say.
+        for slot in slots:
+            old = self._workers[slot]
+            old.join(timeout=0)
+            unfinished = sorted(
+                number
+                for number, info in self._task_info.items()
+                if len(info) == 1 and info[0] == slot
+            )
+            verdict = judge_death(
+                self._ledger,
+                slot,
+                old.pid,
+                old.exitcode,
+                self._progress[slot],
+                unfinished,
+                self._sent_tasks,
+            )
+            if verdict.poisoned is not None:
+                number, result = verdict.poisoned
+                self._sent_tasks.pop(number, None)
+                # handed on by _get_data as the task's result, so torch's loop goes on even
+                # when no other result will come (the following tasks are poison too)
+                self._settled.append((number, result))
+            if verdict.broken is not None:
+                self._broken = verdict.broken
+                raise WorkersLostError(self._broken)
+            if not never_started:  # one that never ran cannot hold the lock: a live one does
+                self._reads.drop_torn()
+                release_orphaned_write_lock(self._worker_result_queue)
+            try:
+                self._start_worker(slot)
+            except Exception as error:
+                self._broken = f"fastloader: cannot start a replacement DataLoader worker: {error}"
+                raise WorkersLostError(self._broken) from error
+            queue = self._index_queues[slot]
+            if self._resetting:
+                queue.put(_utils.worker._ResumeIteration(self._shared_seed))
+            for number in verdict.resend:
+                queue.put((number, self._sent_tasks[number]))
+            self._replaced += 1
+            if never_started:
+                warn_never_started(slot, old.pid, replaced=True)
+            else:
+                warn_death(slot, old.pid, old.exitcode, len(verdict.resend))
+
+    def _start_worker(self, slot: int) -> None:
+        index_queue = self._process_factory.Queue()
+        index_queue.cancel_join_thread()
+        self._worker_init_fn.forked_from_main_thread = _in_main_thread()
+        self._progress[slot] = NOT_STARTED
+        self._writing[slot] = 0  # the dead worker's lock was released: NOTE [ Torn results ]
+        worker = self._process_factory.Process(
+            target=_utils.worker._worker_loop,
+            args=(
+                self._dataset_kind,
+                self._dataset,
+                index_queue,
+                self._worker_result_queue,
+                self._workers_done_event,
+                self._auto_collation,
+                self._collate_fn,
+                self._drop_last,
+                self._base_seed,
+                self._worker_init_fn,
+                slot,
+                self._num_workers,
+                self._persistent_workers,
+                self._shared_seed,
+            ),
+        )
+        worker.daemon = True
+        worker.start()
+        self._starting[slot] = time.monotonic()
+        old_queue = self._index_queues[slot]
+        old_queue.cancel_join_thread()
+        old_queue.close()
+        self._index_queues[slot] = index_queue
+        self._workers[slot] = worker
+        self._workers_status[slot] = True
+
+    def _stall_report(self) -> str:
+        held: dict[int, list[int]] = {}
+        for number, info in sorted(self._task_info.items()):
+            if len(info) == 1:
+                held.setdefault(info[0], []).append(number)
+        pids = [worker.pid for worker in self._workers]
+        progress = list(self._progress) if self._progress is not None else None
+        return stall_report(
+            self._timeout, pids, held, progress, self._sent_tasks, self._stack_folder
+        )
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
