@@ -49,8 +49,9 @@ EXPECTED_SECONDS = {
         "packing": 10,
         "memory": 10,
         "cli_startup": 15,
+        "transport": 20,
     },
-    "quick": {"pipeline": 45, "loader": 35, "cheap": 120},
+    "quick": {"pipeline": 45, "loader": 35, "cheap": 120, "transport": 110},
     "full": {
         "cheap": 300,
         "loader": 95,
@@ -58,6 +59,7 @@ EXPECTED_SECONDS = {
         "packing": 90,
         "memory": 35,
         "cli_startup": 120,
+        "transport": 400,
     },
 }
 

@@ -34,6 +34,7 @@ from fastloader.loader.iterators.common import (
     order_is_predictable,
     schedule_for,
 )
+from fastloader.loader.iterators.slot_collate import default_collate_into_slots
 from fastloader.loader.result_queue import guard_reads
 from fastloader.loader.seeding import Task, seeding_options
 from fastloader.loader.supervision import (
@@ -48,6 +49,9 @@ from fastloader.loader.supervision import (
     warn_never_started,
     warn_reseeded,
 )
+from fastloader.loader.transport import receive
+from fastloader.loader.transport.send import SlotCollate
+from fastloader.loader.transport.slots import SlotFile
 from fastloader.loader.worker_guard import WorkerInit
 
 
@@ -58,6 +62,7 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
     """
 
     supervise = True  # False turns supervision off (benchmarks/supervision.py measures it)
+    slots = True  # False sends batches torch's way (benchmarks/transport.py measures it)
 
     def __init__(self, loader: Any, epoch: int, skip: int = 0) -> None:
         self._seed = loader.seed
@@ -91,6 +96,12 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
         if loader.worker_init_fn is not None and "reseeded" not in loader._warned:
             self._reseeded = context.RawValue("b", 0)
         self._writing = context.RawArray("b", loader.num_workers)  # NOTE [ Torn results ]
+        self._slot_key = None  # NOTE [ Batch transport ]
+        if WorkerPoolIter.slots:
+            self._slot_key = receive.register(
+                [SlotFile.create() for _ in range(loader.num_workers)]
+            )
+            weakref.finalize(self, receive.unregister, self._slot_key)
         self._epoch = epoch
         self._delivered = skip
         self._epoch_done = False
@@ -114,6 +125,20 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
             )
             user_fn.forked_from_main_thread = _in_main_thread()
         self.__dict__["_fastloader_worker_init"] = user_fn
+
+    @property
+    def _collate_fn(self) -> Any:
+        return self.__dict__["_fastloader_collate_fn"]
+
+    @_collate_fn.setter
+    def _collate_fn(self, collate_fn: Any) -> None:
+        # NOTE [ Batch transport ]: workers write batches into shared-memory slots
+        if self._slot_key is not None and not isinstance(collate_fn, SlotCollate):
+            if collate_fn is _utils.collate.default_collate:
+                collate_fn = default_collate_into_slots
+            fds = [slots.fd for slots in receive.slot_files(self._slot_key)]
+            collate_fn = SlotCollate(collate_fn, fds, self._slot_key)
+        self.__dict__["_fastloader_collate_fn"] = collate_fn
 
     @property
     def worker_pids(self) -> list[int]:
