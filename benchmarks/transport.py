@@ -136,7 +136,7 @@ def _compare(kind: str, dataset: Dataset, batch: int, rounds: int, plain: bool =
             _close(loaders)
         row: dict[str, Any] = {"data": kind, "num_workers": workers, "batch_size": batch}
         seconds = {name: [r[0] for r in rounds_] for name, rounds_ in results.items()}
-        for name, rounds_ in results.items():
+        for name in results:
             row[f"{name}_samples_per_s"] = round(len(dataset) / statistics.median(seconds[name]))
         for name, rounds_ in results.items():
             cpu = statistics.median(r[1] / max(1, r[2]) for r in rounds_)
@@ -163,13 +163,12 @@ def run(size: str, workdir: Path) -> dict:
     """Run the transport comparison at ``size`` ("tiny", "quick", "full")."""
     rounds, poses, windows, indices, images = SIZES[size]
     torch.manual_seed(0)
+    tokens = _token_file(workdir, windows)
     pose = HDF5Dataset(make_pose_file(workdir / f"pose-{poses}.h5", poses))
     measured = {
         "pose64": _compare("pose64", pose, 64, rounds, plain=True),
         "pose256": _compare("pose256", pose, 256, rounds, plain=True),
-        "tokens": _compare(
-            "tokens", TokenWindows(_token_file(workdir, windows), windows), 32, rounds
-        ),
+        "tokens": _compare("tokens", TokenWindows(tokens, windows), 32, rounds),
         "index": _compare("index", IndexDataset(indices), 256, rounds),
         "images": _compare("images", Images(images), 64, rounds),
     }

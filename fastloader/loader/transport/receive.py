@@ -57,19 +57,19 @@ def rebuild(
     used = max(1, max((entry[3] + entry[4] for entry in layout), default=1))
     owner = (ctypes.c_ubyte * used).from_buffer(region)
     weakref.finalize(owner, slots.free, row)  # NOTE [ Batch transport ]: slot lifetime
-    base = torch.frombuffer(owner, dtype=torch.uint8)
-    arrays = [_view(owner, base, entry) for entry in layout]
+    arrays = [_view(owner, entry) for entry in layout]
     return _fill(skeleton, arrays)
 
 
-def _view(owner: Any, base: torch.Tensor, entry: tuple) -> Any:
+def _view(owner: Any, entry: tuple) -> Any:
     kind, dtype, shape, offset, nbytes = entry
     if kind == "n":
         count = nbytes // dtype.itemsize if dtype.itemsize else 0
         return np.frombuffer(owner, dtype=dtype, count=count, offset=offset).reshape(shape)
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    return base[offset : offset + nbytes].view(dtype).view(shape)
+    count = nbytes // dtype.itemsize
+    return torch.frombuffer(owner, dtype=dtype, count=count, offset=offset).view(shape)
 
 
 class Leaf:

@@ -184,7 +184,7 @@ def _nbytes(leaf: Any) -> int:
 
 
 def _write(region: Any, leaves: list[Any], layout: tuple) -> None:
-    for leaf, (kind, dtype, shape, offset, nbytes) in zip(leaves, layout):
+    for leaf, (kind, dtype, shape, offset, nbytes) in zip(leaves, layout, strict=True):
         if nbytes == 0:
             continue
         if kind == "n":
