@@ -157,7 +157,8 @@ def _flatten(value: Any, leaves: list[Any]) -> Any:
 def _special(tensor: torch.Tensor) -> bool:
     # what a plain copy of the bytes would lose: keep those on torch's own path
     return (
-        tensor.requires_grad
+        tensor.is_nested
+        or tensor.requires_grad
         or tensor.is_conj()
         or tensor.is_neg()
         or tensor.is_quantized
