@@ -332,6 +332,8 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
             )
             return
         super()._shutdown_workers()
+        if self.__dict__.get("_slot_key") is not None:  # batches already out stay valid
+            receive.unregister(self._slot_key)
 
     def shutdown(self) -> None:
         """Stop the worker processes now."""
