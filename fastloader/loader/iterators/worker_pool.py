@@ -34,7 +34,7 @@ from fastloader.loader.iterators.common import (
     order_is_predictable,
     schedule_for,
 )
-from fastloader.loader.iterators.slot_collate import default_collate_into_slots
+from fastloader.loader.iterators.slot_collate import into_slots
 from fastloader.loader.result_queue import guard_reads
 from fastloader.loader.seeding import Task, seeding_options
 from fastloader.loader.supervision import (
@@ -134,8 +134,7 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
     def _collate_fn(self, collate_fn: Any) -> None:
         # NOTE [ Batch transport ]: workers write batches into shared-memory slots
         if self._slot_key is not None and not isinstance(collate_fn, SlotCollate):
-            if collate_fn is _utils.collate.default_collate:
-                collate_fn = default_collate_into_slots
+            collate_fn = into_slots(collate_fn)
             fds = [slots.fd for slots in receive.slot_files(self._slot_key)]
             collate_fn = SlotCollate(collate_fn, fds, self._slot_key)
         self.__dict__["_fastloader_collate_fn"] = collate_fn

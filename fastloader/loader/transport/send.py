@@ -32,16 +32,16 @@ ALIGN = 64  # bytes: every leaf starts on a cache line (and on any dtype's align
 
 class Stack:
     """Samples to be stacked into one tensor, straight into the slot (made by the collate
-    hook in the iterators for torch's ``default_collate``; never leaves the worker)."""
+    hook in the iterators for the loader's default collate; never leaves the worker).
+    ``samples`` are plain CPU tensors, or NumPy arrays (``arrays=True``) of one shape and
+    dtype, which arrive as a tensor, as with ``default_collate``."""
 
-    __slots__ = ("samples",)
+    __slots__ = ("samples", "arrays", "dtype")
 
-    def __init__(self, samples: list[torch.Tensor]) -> None:
+    def __init__(self, samples: list[Any], arrays: bool = False) -> None:
         self.samples = samples
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.samples[0].dtype
+        self.arrays = arrays
+        self.dtype = torch_dtype(samples[0].dtype) if arrays else samples[0].dtype
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -50,12 +50,31 @@ class Stack:
     def nbytes(self) -> int:
         return self.samples[0].nbytes * len(self.samples)
 
+    def write(self, target: torch.Tensor) -> None:
+        if self.arrays:
+            np.stack(self.samples, out=target.numpy(), casting="no")
+        else:
+            torch.stack(self.samples, out=target)
+
     def materialize(self) -> torch.Tensor:
+        if self.arrays:
+            return torch.from_numpy(np.stack(self.samples))
         return torch.stack(self.samples)
 
     def __reduce__(self) -> tuple:
         # one left inside a container the transport does not walk: sent the old way
         return (_same, (self.materialize(),))
+
+
+_TORCH_DTYPES: dict[np.dtype, torch.dtype] = {}
+
+
+def torch_dtype(dtype: np.dtype) -> torch.dtype:
+    """The torch dtype of a NumPy dtype (as ``torch.from_numpy`` gives it)."""
+    found = _TORCH_DTYPES.get(dtype)
+    if found is None:
+        found = _TORCH_DTYPES[dtype] = torch.from_numpy(np.empty(0, dtype)).dtype
+    return found
 
 
 def _same(value: Any) -> Any:
@@ -195,7 +214,7 @@ def _write(region: Any, leaves: list[Any], layout: tuple) -> None:
         count = nbytes // dtype.itemsize
         target = torch.frombuffer(region, dtype=dtype, count=count, offset=offset).view(shape)
         if type(leaf) is Stack:
-            torch.stack(leaf.samples, out=target)
+            leaf.write(target)
         else:
             target.copy_(leaf)
 
