@@ -162,15 +162,19 @@ def _flatten(value: Any, leaves: list[Any]) -> Any:
     if kind is Stack or (kind is np.ndarray and not value.dtype.hasobject):
         leaves.append(value)
         return Leaf(len(leaves) - 1)
-    if kind is list:
-        return [_flatten(item, leaves) for item in value]
-    if kind is tuple:
-        return tuple(_flatten(item, leaves) for item in value)
+    if kind is list or kind is tuple:
+        if value and type(value[0]) in _SCALARS and all(type(v) in _SCALARS for v in value):
+            return value  # strings, numbers: pickled as they are
+        items = [_flatten(item, leaves) for item in value]
+        return items if kind is list else tuple(items)
     if kind is dict:
         return {key: _flatten(item, leaves) for key, item in value.items()}
     if isinstance(value, tuple) and hasattr(kind, "_fields"):  # a namedtuple
         return kind(*(_flatten(item, leaves) for item in value))
     return value
+
+
+_SCALARS = frozenset((str, bytes, int, float, bool, type(None)))
 
 
 def _special(tensor: torch.Tensor) -> bool:
