@@ -35,9 +35,10 @@ rate for a user's HDF5 fields). Here a batch costs one copy, made in the worker:
   lists, user objects), which is all that is pickled. A worker killed before READY has sent
   nothing: no half batch can be delivered. Its replacement frees the rows left WRITING
   (``reclaim_torn``) and supervision re-sends the task (NOTE [ Supervised workers ]).
-  A descriptor is a few hundred bytes, written to the pipe in one ``write`` (atomic below
-  PIPE_BUF), so the result pipe no longer carries large messages to tear (NOTE [ Torn
-  results ] still guards batches that travel the old way).
+  A descriptor is a few hundred bytes (plus the non-array leaves: 64 file names add ~1.5
+  KB), written to the pipe in one ``write`` (atomic up to PIPE_BUF, 4 KB), so the result pipe
+  rarely carries a message that can tear; NOTE [ Torn results ] still guards the rest and
+  batches that travel the old way.
 * **Reading, zero copy.** Unpickling a ``SlotBatch`` in the main process (wherever torch
   unpickles: the main thread, or the pin-memory thread) calls ``receive.rebuild``: it maps
   the region once (cached per row), wraps it in one buffer object per batch, and makes every
