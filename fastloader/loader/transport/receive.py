@@ -72,6 +72,9 @@ def _view(owner: Any, entry: tuple) -> Any:
     return torch.frombuffer(owner, dtype=dtype, count=count, offset=offset).view(shape)
 
 
+SCALARS = frozenset((str, bytes, int, float, bool, type(None)))
+
+
 class Leaf:
     """Where an array leaf of the batch sits in the skeleton: its index in the layout."""
 
@@ -88,10 +91,11 @@ def _fill(value: Any, arrays: list[Any]) -> Any:
     kind = type(value)
     if kind is Leaf:
         return arrays[value.index]
-    if kind is list:
-        return [_fill(item, arrays) for item in value]
-    if kind is tuple:
-        return tuple(_fill(item, arrays) for item in value)
+    if kind is list or kind is tuple:
+        if value and type(value[0]) in SCALARS and all(type(v) in SCALARS for v in value):
+            return value  # strings, numbers: no leaf inside
+        items = [_fill(item, arrays) for item in value]
+        return items if kind is list else tuple(items)
     if kind is dict:
         return {key: _fill(item, arrays) for key, item in value.items()}
     if isinstance(value, tuple) and hasattr(kind, "_fields"):

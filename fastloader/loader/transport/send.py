@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from fastloader.loader.transport import receive
-from fastloader.loader.transport.receive import Leaf
+from fastloader.loader.transport.receive import SCALARS, Leaf
 from fastloader.loader.transport.slots import (
     READY,
     SlotFile,
@@ -163,7 +163,7 @@ def _flatten(value: Any, leaves: list[Any]) -> Any:
         leaves.append(value)
         return Leaf(len(leaves) - 1)
     if kind is list or kind is tuple:
-        if value and type(value[0]) in _SCALARS and all(type(v) in _SCALARS for v in value):
+        if value and type(value[0]) in SCALARS and all(type(v) in SCALARS for v in value):
             return value  # strings, numbers: pickled as they are
         items = [_flatten(item, leaves) for item in value]
         return items if kind is list else tuple(items)
@@ -172,9 +172,6 @@ def _flatten(value: Any, leaves: list[Any]) -> Any:
     if isinstance(value, tuple) and hasattr(kind, "_fields"):  # a namedtuple
         return kind(*(_flatten(item, leaves) for item in value))
     return value
-
-
-_SCALARS = frozenset((str, bytes, int, float, bool, type(None)))
 
 
 def _special(tensor: torch.Tensor) -> bool:
