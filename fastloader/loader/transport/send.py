@@ -19,6 +19,7 @@ from torch.utils.data import get_worker_info
 from fastloader.loader.transport import receive
 from fastloader.loader.transport.receive import SCALARS, Leaf
 from fastloader.loader.transport.slots import (
+    FREE,
     READY,
     SlotFile,
     acquire,
@@ -122,8 +123,11 @@ class SlotCollate:
         if row is None:  # every region is held (a user keeps many batches): the old way
             return _materialized(out)
         offset, capacity = int(slots.table[row, 1]), int(slots.table[row, 2])
-        region = slots.region(row, offset, capacity)
-        _write(region, leaves, layout)
+        try:
+            _write(slots.region(row, offset, capacity), leaves, layout)
+        except BaseException:
+            slots.table[row, 0] = FREE  # nothing was sent: the row is this worker's again
+            raise
         slots.table[row, 0] = READY  # the commit: only now can a descriptor be sent
         return SlotBatch(self.key, self._worker, row, offset, capacity, layout, skeleton)
 
