@@ -181,3 +181,63 @@ def test_a_worker_killed_while_writing_a_large_batch_never_hangs_the_loop(tmp_pa
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "WHOLE EPOCH" in run.stdout
+
+
+_STALLS_MID_WRITE = textwrap.dedent(
+    """
+    import os, sys, time
+    from multiprocessing.connection import Connection
+
+    from torch.utils.data import Dataset
+
+    import fastloader
+
+    SIZE = 300_000  # bytes: travels through the pipe in many writes
+
+
+    def stall_halfway_through_the_next_big_write():
+        send = Connection._send
+
+        def stalled_send(self, buf, *args):
+            if len(buf) >= SIZE:
+                send(self, bytes(memoryview(buf)[: len(buf) // 2]))
+                time.sleep(3600)  # alive, never finishing the message
+            return send(self, buf, *args)
+
+        Connection._send = stalled_send
+
+
+    class Bytes(Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, index):
+            if index == 3:
+                stall_halfway_through_the_next_big_write()
+            return bytes([index]) * SIZE
+
+
+    loader = fastloader.DataLoader(
+        Bytes(), batch_size=1, num_workers=1, collate_fn=lambda b: b[0], timeout=3
+    )
+    started = time.monotonic()
+    try:
+        list(loader)
+    except RuntimeError as error:
+        print("TIMED OUT", round(time.monotonic() - started), str(error)[:200])
+    os._exit(0)  # the stalled worker is killed with this process
+    """
+)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the stalled write is staged with Linux pipes")
+def test_timeout_fires_while_a_live_worker_leaves_a_message_half_written(tmp_path):
+    script = tmp_path / "stalls_mid_write.py"
+    script.write_text(_STALLS_MID_WRITE)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "TIMED OUT" in run.stdout, run.stdout
