@@ -16,13 +16,13 @@ import os
 
 import torch
 import torch.distributed as dist
-from fastloader.distributed import gather_in_order
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from fastloader import DataLoader, ImageFolder
 from fastloader import transforms as T
+from fastloader.distributed import gather_in_order
 
 
 class WithIndex(Dataset):

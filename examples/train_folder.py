@@ -16,12 +16,12 @@ import argparse
 from pathlib import Path
 
 import torch
-from fastloader.transforms import Normalize
 from torch import nn
 
 import fastloader
 from fastloader import DataLoader, ImageFolder, LMDBDataset
 from fastloader import transforms as T
+from fastloader.transforms import Normalize
 
 
 def parse_args() -> argparse.Namespace:

@@ -466,7 +466,7 @@ def test_check_reaches_pack_only_when_given(folder, tmp_path, monkeypatch):
         calls.append(kwargs)
         return SimpleNamespace(skipped=[], removed_partials=[])
 
-    monkeypatch.setattr(importlib.import_module("fastloader.packing.pack"), "pack", spy)
+    monkeypatch.setattr(importlib.import_module("fastloader.packing"), "pack", spy)
     assert main([str(folder), str(tmp_path / "a.lmdb"), "--check", "quick", "-q"]) == 0
     assert main([str(folder), str(tmp_path / "a.lmdb"), "-q"]) == 0
     assert calls[0]["check"] == "quick" and "check" not in calls[1]

@@ -19,13 +19,18 @@ from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
-from fastloader.packing.process import frozen_heap, start_pool_worker
+from fastloader.packing.process import frozen_heap, signals_held, start_pool_worker
 from fastloader.packing.worker import Encoded, encode_one
 
 #: The longest one image may take to decode and encode in a packer worker, by default.
 IMAGE_SECONDS = 120.0
 _CHUNK = 16  # items per message to a worker: IPC stays cheap, memory in flight stays small
-_DEATHS = 2  # an item whose worker dies this many times is skipped
+# An item whose worker dies this many times is skipped (listed, like an unreadable image).
+# Fewer tries than the loader's POISON_DEATHS (loader/supervision.py), on purpose: here a death
+# is blamed on one item (workers take one image at a time when retrying), and skipping costs
+# one image of a pack that lists it; the loader blames a whole task (a batch of samples) and
+# its verdict ends training, so it gives a death under memory pressure one more chance.
+_DEATHS = 2
 
 # NOTE [ Per-image limits when packing ]
 # One hostile image must cost one skip line, never the run (nor the machine):
@@ -191,7 +196,11 @@ class _Pool:
         return _Worker(self.context, self.encoder, self.parent)
 
     def start(self) -> None:
-        self.pool = [self._new_worker() for _ in range(self.workers)]
+        for _ in range(self.workers):
+            # held: a signal lands once the worker is in the pool that stop() ends
+            # (NOTE [ Signals while packing ])
+            with signals_held():
+                self.pool.append(self._new_worker())
 
     def feed(self) -> None:
         """At most two chunks per worker (no idle gap between them); retried items alone."""
@@ -246,7 +255,8 @@ class _Pool:
                 self._blame(index, worker)
             self.retry.extend(worker.pending)
             worker.pending.clear()
-        self.pool[slot] = self._new_worker()
+        with signals_held():
+            self.pool[slot] = self._new_worker()
 
     def _blame(self, index: int, worker: _Worker) -> None:
         self.deaths[index] = self.deaths.get(index, 0) + 1

@@ -29,7 +29,8 @@ from fastloader.parent_death import die_with_parent, process_runs
 # `signals_as_interrupts()`, SIGTERM raises Terminated (a KeyboardInterrupt) and SIGINT raises
 # KeyboardInterrupt, so pack() cleans up (NOTE [ Atomic packing ]). But an exception raised
 # by a signal handler is lost when it lands where Python ignores exceptions: in an at-fork hook
-# (seen: logging's, while the pool forks its workers), a __del__, a weakref callback. So the
+# (seen: logging's, while the pool forks its workers), a __del__, a weakref callback. Forks are
+# therefore made with both signals held (`signals_held()`), and the
 # handler also records the signal, and pack() calls `raise_if_signalled()` after each record
 # and before the final rename: a lost exception is raised again at the next record. During the
 # clean-up a second SIGTERM is ignored (the clean-up is short) and a second Ctrl-C interrupts
@@ -122,7 +123,30 @@ def start_pool_worker(encoder: Callable[[Any], Encoded], parent: int) -> None:
     """In a new worker: die with the parent, leave SIGTERM to it, then set up the encoder."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent(parent)
-    start_worker(encoder)
+    start_worker(encoder)  # ignores SIGINT: Ctrl-C is the packer's to handle
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)  # held by signals_held()
+
+
+@contextmanager
+def signals_held() -> Iterator[None]:
+    """Hold SIGTERM and SIGINT while a worker is forked; they arrive just after.
+
+    See NOTE [ Signals while packing ]: a handler's exception raised inside an at-fork hook is
+    lost and printed as "Exception ignored in ...". Held, the signal is delivered when the
+    block ends, in ordinary code. The child starts with them held and releases them itself
+    (``start_pool_worker``), after it chose to ignore them.
+    """
+    if not hasattr(signal, "pthread_sigmask") or (
+        threading.current_thread() is not threading.main_thread()
+    ):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 _PARTIAL = re.compile(r"\.partial-(?P<pid>\d+)(?:@(?P<host>.+))?$")
