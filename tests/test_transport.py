@@ -298,3 +298,25 @@ def _wait_gone(pids: list[int], seconds: float = 30.0) -> None:
         if not alive:
             return
         time.sleep(0.05)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_dropping_its_copy_of_a_batch_leaves_the_parents_slot_alone():
+    from fastloader.loader.transport.slots import READY
+
+    loader = fastloader.DataLoader(Big(8), batch_size=4, num_workers=1, seed=0, in_order=False)
+    batches = list(loader)  # no prefetch into the next epoch (in_order=False): rows stay put
+    (slots,) = receive.slot_files(loader._iterator._slot_key)
+    held = int((slots.table[:, 0] == READY).sum())
+    assert held == 2
+    pid = os.fork()
+    if pid == 0:  # the child's copies die: the parent's batches must stay valid
+        batches.clear()
+        import gc
+
+        gc.collect()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert int((slots.table[:, 0] == READY).sum()) == held
+    assert [b[0][:, 0].tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    loader.close()

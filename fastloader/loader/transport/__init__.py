@@ -50,12 +50,13 @@ rate for a user's HDF5 fields). Here a batch costs one copy, made in the worker:
   a user who keeps batches (``list(loader)``), or sends one to another process (torch moves
   it into new shared memory first: the pickle path copies), always sees correct data. Each
   side writes only its own transitions (worker FREE->WRITING->READY, main READY->FREE), so
-  no lock is shared between processes. Copying out in the main process instead (and freeing
-  the row at once) would cost a copy of every batch in the process that drives the GPU: for
-  3x224x224 uint8 batches of 64 that is 9.6 MB, about 1-3 ms on the 2-core box against
-  ~0.1 ms to wrap, so batches are wrapped, not copied. When every row of a worker is held
-  (a user keeping more than ``ROWS`` batches per worker), batches travel torch's way until
-  rows come back: correct, only slower.
+  no lock is shared between processes. Only the process that rebuilt the batch frees its row:
+  a process forked from it holds copies of the same objects, and their end frees nothing.
+  Copying out in the main process instead (and freeing the row at once) would cost a copy
+  of every batch in the process that drives the GPU: for 3x224x224 uint8 batches of 64 that
+  is 9.6 MB, about 1-3 ms on the 2-core box against ~0.1 ms to wrap, so batches are wrapped,
+  not copied. When every row of a worker is held (a user keeping more than ``ROWS`` batches
+  per worker), batches travel torch's way until rows come back: correct, only slower.
 * **What does not go through slots.** Leaves that are not plain CPU tensors or NumPy arrays
   of a plain dtype (tensor subclasses, tensors that require grad, sparse, conjugate or
   quantized tensors, object arrays) and containers other than list, tuple, dict and

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import os
 import threading
 import weakref
 from typing import Any
@@ -56,9 +57,16 @@ def rebuild(
     region = slots.region(row, offset, capacity)
     used = max(1, max((entry[3] + entry[4] for entry in layout), default=1))
     owner = (ctypes.c_ubyte * used).from_buffer(region)
-    weakref.finalize(owner, slots.free, row)  # NOTE [ Batch transport ]: slot lifetime
+    # NOTE [ Batch transport ]: slot lifetime. Only this process frees the row: a forked
+    # child's copy of the batch dying says nothing about this process's.
+    weakref.finalize(owner, _free, slots, row, os.getpid()).atexit = False
     arrays = [_view(owner, entry) for entry in layout]
     return _fill(skeleton, arrays)
+
+
+def _free(slots: SlotFile, row: int, pid: int) -> None:
+    if os.getpid() == pid:
+        slots.free(row)
 
 
 def _view(owner: Any, entry: tuple) -> Any:
