@@ -20,6 +20,8 @@ rows, ratios and notes (see ``report.py`` for the shape):
   memmap) and the loaders' own cost per batch, with 0 and 2 workers.
 - ``oom``: packs vs files read from cold storage (evicted from the page cache, in a memory
   cgroup where possible), with and without the packs' read advice.
+- ``mix``: ``fastloader.Mix`` vs the same sources concatenated (index and token samples, 2
+  workers), and the mixed order's own costs (mapping, a far resume, state, memory).
 - ``any_sample``: a user's pose-style HDF5 file read in place by ``HDF5Dataset`` vs a
   hand-written h5py Dataset (and, with mosaicml-streaming, a pack of fields vs MDS).
 - ``transport``: batches from workers to the main process (pose HDF5 fields, token windows,
@@ -44,6 +46,7 @@ COMPARISONS = {
     "cheap": False,
     "oom": False,
     "any_sample": False,
+    "mix": False,
     "transport": False,
 }
 DEMO = tuple(name for name, in_demo in COMPARISONS.items() if in_demo)

@@ -49,6 +49,7 @@ EXPECTED_SECONDS = {
         "packing": 10,
         "memory": 10,
         "cli_startup": 15,
+        "mix": 20,
         "transport": 20,
     },
     "quick": {"pipeline": 45, "loader": 35, "cheap": 120, "transport": 110},
@@ -59,6 +60,7 @@ EXPECTED_SECONDS = {
         "packing": 90,
         "memory": 35,
         "cli_startup": 120,
+        "mix": 150,
         "transport": 400,
     },
 }

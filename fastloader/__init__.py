@@ -27,6 +27,8 @@ _EXPORTS = {
     "ImageFolder": "fastloader.vision.folder",
     "LMDBDataset": "fastloader.datasets.packs",
     "LoaderStats": "fastloader.stats.timing",
+    "Mix": "fastloader.sampling.mix",
+    "MixSample": "fastloader.sampling.mix",
     "Normalize": "fastloader.device",
     "PackSummary": "fastloader.packing",
     "PackError": "fastloader.formats",
@@ -50,6 +52,8 @@ __all__ = [
     "LMDBDataset",
     "LMDBFileDataset",
     "LoaderStats",
+    "Mix",
+    "MixSample",
     "Normalize",
     "PackSummary",
     "PackError",
@@ -84,6 +88,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from fastloader.loader.dataloader import DataLoader
     from fastloader.loader.supervision import PoisonSampleError, WorkersLostError
     from fastloader.packing import PackSummary, pack
+    from fastloader.sampling.mix import Mix, MixSample
     from fastloader.stats.timing import EpochStats, LoaderStats, timed_iter
     from fastloader.vision.folder import ImageFolder
 

@@ -137,8 +137,10 @@ class LoaderStatsMonitor(pl.Callback):
     ``LightningModule.log`` (so to every logger of the trainer), ``{prefix}wait_fraction`` (0-1:
     the share of the epoch spent blocked on data, ``iter()`` and the epoch's first batch
     included), ``{prefix}samples_per_s`` and, when the workers report it,
-    ``{prefix}worker_busy`` (0-1). With several training loaders the name of each (its key or
-    position) follows the prefix. Other loaders are skipped. See docs/diagnosis.md.
+    ``{prefix}worker_busy`` (0-1), and for a ``fastloader.Mix`` the realised share of each
+    source in the epoch, ``{prefix}source_share/{name}`` (0-1). With several training loaders
+    the name of each (its key or position) follows the prefix. Other loaders are skipped. See
+    docs/diagnosis.md.
 
     Example::
 
@@ -167,6 +169,8 @@ class LoaderStatsMonitor(pl.Callback):
             busy = epoch.worker_busy_fraction
             if busy is not None:
                 metrics[key + "worker_busy"] = busy
+            for source, share in (epoch.source_shares or {}).items():  # a fastloader.Mix
+                metrics[key + f"source_share/{source}"] = share
             if self.verbose:
                 from lightning.pytorch.utilities import rank_zero_info
 

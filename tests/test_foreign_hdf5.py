@@ -228,7 +228,7 @@ def test_a_single_file_lmdb_environment_is_read_too(tmp_path):
     dataset = LMDBDataset(path)
     assert isinstance(dataset, LMDBFileDataset)
     assert dataset.__getitems__([2, 0]) == [b"k3k3k3", b"k1k1k1"]
-    again = LMDBDataset(path)  # a second reader in the same process shares the environment
+    again = LMDBDataset(path)  # a second reader in the same process, its own map
     assert again[1] == b"k2k2k2" and dataset[1] == b"k2k2k2"
 
 

@@ -24,6 +24,7 @@ raise an error that names them; a batch that stacks costs nothing extra.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -115,12 +116,25 @@ def ragged_as_lists(batch: Sequence[Any]) -> Any:
 def pad_ragged(pad_value: float = 0) -> Callable[[Sequence[Any]], Any]:
     """A ``collate_fn`` padding ragged fields to the batch's largest shape, with lengths.
 
+    Nothing is cast or overwritten silently (NOTE [ Padding never changes data ]).
+
     Args:
-        pad_value: what the padding holds.
+        pad_value: what the padding holds; it must be exactly representable in every padded
+            field's dtype (``-1`` in a uint8 field is refused, not stored as 255).
+
+    Raises:
+        TypeError: at once, for a ``pad_value`` that is not a number.
+        RaggedFieldError: when collating, for a ragged field whose samples differ in dtype or
+            number of dimensions.
+        ValueError: when collating, for a ``pad_value`` the field's dtype cannot hold, or a
+            dict sample that already has a ``"<field>_lengths"`` field.
     """
+    if not isinstance(pad_value, (bool, int, float)):
+        raise TypeError(f"pad_value must be a number, got {type(pad_value).__name__}")
 
     def pad(name: str, values: list) -> tuple[torch.Tensor, torch.Tensor]:
         tensors = [_tensor(value) for value in values]
+        _check_paddable(name, tensors, pad_value)
         shapes = torch.tensor([list(tensor.shape) for tensor in tensors], dtype=torch.int64)
         largest = shapes.max(dim=0).values.tolist()
         padded = tensors[0].new_full((len(tensors), *largest), pad_value)
@@ -136,6 +150,50 @@ def pad_ragged(pad_value: float = 0) -> Callable[[Sequence[Any]], Any]:
     return collate
 
 
+# NOTE [ Padding never changes data ]
+# pad_ragged used to build the batch with the first sample's dtype (a float32 sample after an
+# int64 one was truncated to integers), to store a pad value the dtype cannot hold as whatever
+# the cast made of it (-1 in uint8 is 255, a real pixel value), and to write the lengths of
+# field "x" over a field the sample already called "x_lengths". Each is now refused, naming
+# the field: samples of one field must share dtype and number of dimensions, the pad value
+# must come back unchanged from the dtype (integers in range, 0 or 1 for bool, no overflow
+# to infinity for floats), and the lengths' key must be free.
+def _check_paddable(name: str, tensors: list, pad_value: float) -> None:
+    dtypes = {tensor.dtype for tensor in tensors}
+    if len(dtypes) > 1:
+        listed = ", ".join(sorted(str(dtype).removeprefix("torch.") for dtype in dtypes))
+        raise RaggedFieldError(
+            f"field {name!r} mixes dtypes ({listed}) across the batch: pad_ragged does not "
+            f"cast; give every sample one dtype"
+        )
+    if len({tensor.dim() for tensor in tensors}) > 1:
+        raise RaggedFieldError(
+            f"field {name!r} mixes numbers of dimensions across the batch "
+            f"({_shapes_text([tuple(tensor.shape) for tensor in tensors])}): it cannot be padded"
+        )
+    dtype = tensors[0].dtype
+    if not _holds(dtype, pad_value):
+        raise ValueError(
+            f"pad_value {pad_value!r} cannot be stored in field {name!r} of dtype "
+            f"{str(dtype).removeprefix('torch.')}: the padding would hold another value"
+        )
+
+
+def _holds(dtype: torch.dtype, value: float) -> bool:
+    """Whether ``value`` is stored in ``dtype`` unchanged (floats: without overflowing)."""
+    if dtype == torch.bool:
+        return value in (0, 1)
+    if not dtype.is_floating_point and not dtype.is_complex:
+        info = torch.iinfo(dtype)
+        whole = isinstance(value, int) or math.isfinite(value) and float(value).is_integer()
+        return whole and info.min <= value <= info.max
+    try:
+        stored = torch.tensor(value, dtype=dtype)
+    except (RuntimeError, OverflowError):  # an int too large for any float
+        return False
+    return bool(torch.isfinite(stored).all()) or not math.isfinite(value)
+
+
 def _collate(batch: Sequence[Any], ragged: Callable, padded: bool = False) -> Any:
     first = batch[0]
     if isinstance(first, Mapping):
@@ -143,6 +201,11 @@ def _collate(batch: Sequence[Any], ragged: Callable, padded: bool = False) -> An
         for key in first:
             values = [sample[key] for sample in batch]
             if _is_ragged(values):
+                if padded and f"{key}_lengths" in first:  # NOTE [ Padding never changes data ]
+                    raise ValueError(
+                        f"field {key!r} is ragged and the samples already have a field "
+                        f"'{key}_lengths', where pad_ragged puts its lengths: rename one"
+                    )
                 result = ragged(key, values)
                 if padded:
                     out[key], out[f"{key}_lengths"] = result

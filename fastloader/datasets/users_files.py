@@ -73,7 +73,9 @@ class HDF5FileDataset(_SampleTransforms, HDF5File, Dataset):
     Raises:
         FileNotFoundError: if ``path`` does not exist.
         PackError: naming the file and the dataset, for an unreadable file, a missing, 0-d,
-            misaligned, external (without ``allow_external``) or unreadable-dtype dataset.
+            misaligned, external (without ``allow_external``), damaged or unreadable-dtype
+            dataset; when reading, if the file changed since (NOTE [ A file changed under a
+            reader ] in formats/hdf5_foreign.py).
         ValueError: for ``as_tuple`` without ``fields``.
     """
 
@@ -107,6 +109,8 @@ class LMDBFileDataset(_SampleTransforms, LMDBFile, Dataset):
     """A map-style dataset over a user's LMDB environment: sample ``i`` is the ``i``-th value.
 
     Values come back as ``bytes``, or through ``decode``; fastloader never unpickles them.
+    The whole tree is checked when the dataset is created; named sub-databases are not samples
+    (NOTE [ Users' LMDB trees checked whole ] in formats/lmdb_tree.py).
 
     Args:
         path: the environment (a folder with ``data.mdb``, or one LMDB file).
@@ -116,8 +120,10 @@ class LMDBFileDataset(_SampleTransforms, LMDBFile, Dataset):
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
-        PackError: naming the environment if it is damaged or not LMDB.
-        KeyError: if a key of ``keys`` is not in it.
+        PackError: naming the environment if it is damaged or not LMDB, its main database
+            has dupsort or integer keys; when reading, if it changed since.
+        KeyError: if a key of ``keys`` is not in it, or names a sub-database.
+        TypeError: if a key of ``keys`` is neither bytes nor str.
     """
 
     def __init__(
@@ -130,3 +136,18 @@ class LMDBFileDataset(_SampleTransforms, LMDBFile, Dataset):
     ) -> None:
         LMDBFile.__init__(self, path, keys, decode)
         self.transform = transform
+
+    def getitems_with(
+        self, indices: Sequence[int], before_each: Callable[[int], None] | None
+    ) -> list:
+        if self.decode is None:
+            return super().getitems_with(indices, before_each)
+        # decode is the user's code, as transform is: run per sample, after before_each (the
+        # loader seeds each sample there: NOTE [ Seeding contract ])
+        out = []
+        for index, value in zip(indices, self.read_many(indices, raw=True), strict=True):
+            if before_each is not None:
+                before_each(index)
+            sample = self.decode(value)
+            out.append(sample if self.transform is None else self.transform(sample))
+        return out

@@ -45,3 +45,47 @@ def parse_json(raw: bytes | str, path: Path, what: str = "metadata") -> Any:
         return json.loads(raw)
     except (ValueError, RecursionError) as error:  # JSONDecodeError, bad UTF-8, huge numbers
         raise PackError(f"{path}: corrupt {what} ({' '.join(str(error).split())[:200]})") from None
+
+
+def dump_exact(value: Any) -> bytes:
+    """JSON text of ``value`` that ``parse_json`` gives back equal to it, or a ValueError.
+
+    What JSON would change is refused rather than stored changed: dict keys that are not str
+    (``{1: "a"}`` would come back ``{"1": "a"}``), tuples (they come back lists), NaN and
+    infinities, and nesting deeper than ``MAX_DEPTH`` (the reader's limit). Values JSON cannot
+    hold at all raise too (TypeError from ``json.dumps`` becomes ValueError).
+
+    Raises:
+        ValueError: naming where in ``value`` (``["boxes"][2]``) and what is wrong.
+    """
+    _check_exact(value, "", 0, tuples=False)
+    try:
+        return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"not JSON-able ({error})") from None
+
+
+def check_writable(value: Any) -> None:
+    """Raise ValueError, as ``dump_exact`` does, for dict keys that are not str or nesting
+    deeper than ``MAX_DEPTH``; tuples are let through (they are written as lists)."""
+    _check_exact(value, "", 0, tuples=True)
+
+
+def _check_exact(value: Any, where: str, depth: int, *, tuples: bool) -> None:
+    if isinstance(value, (dict, list, tuple)):
+        depth += 1
+        if depth > MAX_DEPTH:
+            raise ValueError(f"JSON nested deeper than {MAX_DEPTH} levels (at {where or 'top'})")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ValueError(
+                    f"dict key {key!r} ({type(key).__name__}) at {where or 'top'}: JSON keys "
+                    f"are str, it would come back {json.dumps(str(key))}"
+                )
+            _check_exact(item, f"{where}[{key!r}]", depth, tuples=tuples)
+    elif isinstance(value, tuple) and not tuples:
+        raise ValueError(f"a tuple at {where or 'top'}: JSON has lists, it would come back one")
+    elif isinstance(value, (list, tuple)):
+        for at, item in enumerate(value):
+            _check_exact(item, f"{where}[{at}]", depth, tuples=tuples)

@@ -110,8 +110,8 @@ def encode_fields(values: list[Any]) -> bytes:
 
 def encode_array(array: np.ndarray, dtype: np.dtype) -> bytes:
     """An ``array`` field's bytes: its dimensions, then its elements as ``dtype``."""
-    array = np.ascontiguousarray(array, dtype=dtype)
-    return struct.pack(f"<{array.ndim}Q", *array.shape) + array.tobytes()
+    array = np.asarray(array, dtype=dtype)  # not ascontiguousarray: it makes 0-d arrays 1-d
+    return struct.pack(f"<{array.ndim}Q", *array.shape) + array.tobytes()  # C order, any strides
 
 
 def encode_image(kind: int, shape: tuple[int, int, int] | None, data: bytes) -> bytes:

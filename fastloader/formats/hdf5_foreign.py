@@ -14,14 +14,31 @@ crashes, reads outside the file or allocates more than its size justifies.
   dimension, its dtype (numbers, bools, fixed or variable-length strings; other object and
   variable-length types are refused, naming the dataset), that it is not 0-d.
 - Storage that lies elsewhere (external links, external raw storage, virtual datasets) is
-  refused unless ``allow_external=True``: it reads files other than the one named.
+  refused unless ``allow_external=True``: it reads files other than the one named. Links are
+  resolved to the file that holds the dataset before any offset is used: a soft link that
+  leads through an external link is another file's dataset (refused, or read by h5py), never
+  this file's bytes at that file's offset.
+- A top-level object that cannot be opened (a damaged object header, a dangling link) is an
+  error naming it, not a field silently left out.
 - A contiguous, unfiltered dataset (what ``create_dataset`` writes without ``chunks``,
-  ``compression`` or ``maxshape``) is read through our own read-only map of the byte range
+  ``compression`` or ``maxshape``) whose stored type is exactly what h5py reads it as (NOTE
+  [ Mapped bytes are h5py's bytes ]) is read through our own read-only map of the byte range
   HDF5 reports for it, checked to lie inside the file: a row is a slice of memory, no HDF5
   call (NOTE [ Mapped rows ]). Everything else (chunked, compressed, strings of variable
   length) is read by h5py, whose filters bound what they inflate to the dataset's declared
   shape; a row that no compression of the file could hold (more than deflate's 1032:1) is
   refused at construction, so a hostile shape cannot make a read allocate terabytes.
+- String datasets give a str per row; rows of several strings (``(N, 2)``) a list of str.
+
+NOTE [ A file changed under a reader ]
+A file rewritten or truncated while a loader reads it would give rows of another file (h5py's
+cached structure over new bytes), or, through the map, a SIGBUS that kills the process at the
+first page past the new end. So before every batch (``read_many``) the file's identity, its
+device, inode, size and modification time, is compared with the one checked at construction
+(one ``stat``, about a microsecond); a change is a PackError naming the file. What remains is
+the window between that ``stat`` and the batch's copy (microseconds): a truncation inside it
+is not caught, and a user who rewrites a file while training reads it is told at the next
+batch.
 
 NOTE [ Mapped rows ]
 h5py pays 10-30 us of Python and HDF5 bookkeeping per ``dataset[i]`` (selection, type
@@ -42,6 +59,7 @@ from typing import Any, NamedTuple
 import h5py
 import numpy as np
 
+from fastloader.formats.hdf5_heap import HEAP_ID_SIZE, check_heap_ids
 from fastloader.formats.packfile import ForkSafeFile, check_file, file_identity, sample_row
 from fastloader.formats.records import PackError
 from fastloader.formats.signatures import HDF5_SIGNATURE
@@ -58,6 +76,7 @@ class _Field(NamedTuple):
     dtype: np.dtype  # as stored (strings: None)
     row_shape: tuple[int, ...]
     offset: int | None  # where its bytes start in the file, when mapped; None: read by h5py
+    heap_ids: int | None = None  # variable-length strings: where their heap IDs start
 
 
 def is_hdf5_pack(path: str | os.PathLike) -> bool:
@@ -94,6 +113,8 @@ class _Handle:
         with open(path, "rb") as opened:
             self.map = mmap.mmap(opened.fileno(), size, access=mmap.ACCESS_READ)
         self.datasets: dict[str, h5py.Dataset] = {}
+        self.heaps: dict[int, dict | None] = {}  # global heap collections checked here
+        self.heap_rows: dict[str, np.ndarray] = {}  # rows whose heap IDs were checked
 
     def dataset(self, name: str) -> h5py.Dataset:
         dataset = self.datasets.get(name)
@@ -167,6 +188,7 @@ class HDF5File(ForkSafeFile):
             if len(set(names)) != len(names) or not names:
                 raise ValueError(f"fields must name distinct datasets, got {list(fields)}")
         checked = [self._check_field(handle, name) for name in names]
+        self._check_no_overlap(checked)
         lengths = {field.name: length for field, length in checked}
         if len(set(lengths.values())) > 1:
             listed = ", ".join(f"{name} has {length}" for name, length in lengths.items())
@@ -176,13 +198,69 @@ class HDF5File(ForkSafeFile):
             )
         return [field for field, _ in checked], next(iter(lengths.values()))
 
+    def _check_no_overlap(self, checked: list[tuple[_Field, int]]) -> None:
+        """Mapped datasets whose byte ranges overlap (a damaged data address that lands in
+        another dataset) are refused, naming both; two names of one dataset share its range."""
+        spans = sorted(
+            (field.offset, field.offset + length * _items(field.row_shape) * field.dtype.itemsize)
+            + (field.name,)
+            for field, length in checked
+            if field.offset is not None
+        )
+        reach = (-1, -1, "")  # the span reaching furthest so far
+        for start, end, name in spans:
+            if start < reach[1] and (start, end) != reach[:2]:
+                raise PackError(
+                    f"{self.path}: datasets {reach[2]!r} and {name!r} claim overlapping bytes "
+                    f"({reach[0]}-{reach[1]} and {start}-{end}): a damaged data address"
+                )
+            if end > reach[1]:
+                reach = (start, end, name)
+
     def _is_dataset(self, file: h5py.File, name: str) -> bool:
+        """Whether top-level ``name`` is a field by default: a dataset, or a link to one.
+
+        An object that cannot be opened (a damaged header, a dangling link) is an error naming
+        it, never a field silently left out (NOTE [ Foreign HDF5 files ])."""
         link = file.get(name, getlink=True)
         if isinstance(link, h5py.ExternalLink):
             return True  # refused with its name by _check_field
-        return isinstance(file.get(name), h5py.Dataset)
+        return isinstance(self._object(file, name), h5py.Dataset)
+
+    def _object(self, file: h5py.File, name: str) -> h5py.Dataset | h5py.Group:
+        try:
+            return file[name]
+        except Exception as error:  # noqa: BLE001 - h5py on a damaged file: anything
+            if name not in file:  # no link of that name: a missing field
+                raise PackError(
+                    f"{self.path}: dataset {name!r}: no such dataset (the file has "
+                    f"{sorted(file.keys())})"
+                ) from None
+            raise PackError(
+                f"{self.path}: dataset {name!r} cannot be opened: a damaged object or a link "
+                f"that leads nowhere ({_short(error)}); name the other fields with fields="
+            ) from None
 
     def _check_field(self, handle: _Handle, name: str) -> tuple[_Field, int]:
+        """A field's description and length, its first row read if h5py will read it: a
+        damaged data address or filter is an error now, naming it, not at some batch."""
+        try:
+            field, length = self._describe_field(handle, name)
+        except PackError:
+            raise
+        except Exception as error:  # noqa: BLE001 - h5py on a damaged file: anything
+            raise PackError(f"{self.path}: dataset {name!r} is damaged ({_short(error)})") from None
+        if field.offset is None and length:
+            self._check_heap(handle, field, np.zeros(1, dtype=np.int64), length)
+            try:
+                handle.file[name][0:1]
+            except Exception as error:  # noqa: BLE001 - h5py on a damaged file: anything
+                raise PackError(
+                    f"{self.path}: dataset {name!r} cannot be read (damaged: {_short(error)})"
+                ) from None
+        return field, length
+
+    def _describe_field(self, handle: _Handle, name: str) -> tuple[_Field, int]:
         file, where = handle.file, f"{self.path}: dataset {name!r}"
         linked = self._through_external_link(file, name)
         if linked and not self.allow_external:
@@ -190,9 +268,14 @@ class HDF5File(ForkSafeFile):
                 f"{where} is an external link to another file: refused "
                 f"(pass allow_external=True to read it)"
             )
-        dataset = file.get(name)
-        if dataset is None:
-            raise PackError(f"{where}: no such dataset (the file has {sorted(file.keys())})")
+        dataset = self._object(file, name)
+        if isinstance(dataset, h5py.Dataset) and not _in_file(dataset, file):
+            linked = True  # reached through links that lead to another file
+            if not self.allow_external:
+                raise PackError(
+                    f"{where} lies in another file (a soft link through an external link): "
+                    f"refused (pass allow_external=True to read it)"
+                )
         if not isinstance(dataset, h5py.Dataset):
             raise PackError(f"{where} is a group, not a dataset (name its datasets as 'a/b')")
         shape, dtype = dataset.shape, dataset.dtype
@@ -206,12 +289,15 @@ class HDF5File(ForkSafeFile):
                 f"{where} stores its data in other files (external or virtual storage): "
                 f"refused (pass allow_external=True to read it)"
             )
+        plain = not external and layout == h5py.h5d.CONTIGUOUS and not plist.get_nfilters()
+        mapped = plain and _maps_exactly(dataset)  # NOTE [ Mapped bytes are h5py's bytes ]
         string = h5py.check_string_dtype(dtype)
-        if string is not None:  # fixed-length strings are mapped, variable-length read by h5py
-            mapped = dtype.kind == "S" and not external and len(shape) == 1
-            plain = mapped and layout == h5py.h5d.CONTIGUOUS and not plist.get_nfilters()
-            offset = self._checked_offset(dataset, where) if plain else None
-            return _Field(name, "str", dtype, (), offset), shape[0]
+        if string is not None:  # fixed-length strings may be mapped, variable-length never
+            if dtype.kind != "S":  # NOTE [ Global heap checked before h5py ]
+                heap = self._heap_ids(dataset, where) if plain else None
+                return _Field(name, "str", dtype, tuple(shape[1:]), None, heap), shape[0]
+            offset = self._checked_offset(dataset, where) if mapped else None
+            return _Field(name, "str", dtype, tuple(shape[1:]), offset), shape[0]
         if dtype.hasobject or h5py.check_vlen_dtype(dtype) is not None:
             raise PackError(
                 f"{where} holds {dtype} values (variable-length or object), which cannot be "
@@ -226,9 +312,7 @@ class HDF5File(ForkSafeFile):
                 f"bytes: more than any compression of it could hold (damaged or hostile)"
             )
         kind = "scalar" if len(shape) == 1 and dtype.fields is None else "array"
-        offset = None
-        if not external and layout == h5py.h5d.CONTIGUOUS and not plist.get_nfilters():
-            offset = self._checked_offset(dataset, where)
+        offset = self._checked_offset(dataset, where) if mapped else None
         return _Field(name, kind, dtype, tuple(shape[1:]), offset), shape[0]
 
     def _through_external_link(self, file: h5py.File, name: str) -> bool:
@@ -238,6 +322,33 @@ class HDF5File(ForkSafeFile):
             if isinstance(link, h5py.ExternalLink):
                 return True
         return False
+
+    def _heap_ids(self, dataset: h5py.Dataset, where: str) -> int | None:
+        """Where a contiguous variable-length dataset's heap IDs start, checked to lie in the
+        file; None if unwritten or not of 16-byte IDs (NOTE [ Global heap checked before
+        h5py ])."""
+        offset, count = dataset.id.get_offset(), _items(dataset.shape)
+        if offset is None or dataset.id.get_storage_size() != count * HEAP_ID_SIZE:
+            return None
+        if offset + count * HEAP_ID_SIZE > self._identity[2]:
+            raise PackError(f"{where}: truncated or damaged file (its heap IDs lie past its end)")
+        return offset
+
+    def _check_heap(self, handle: _Handle, field: _Field, rows: np.ndarray, count: int) -> None:
+        """Check the heap IDs of ``rows`` (of ``count``) not checked yet in this process."""
+        if field.heap_ids is None:
+            return
+        seen = handle.heap_rows.get(field.name)
+        if seen is None:
+            seen = handle.heap_rows[field.name] = np.zeros(count, dtype=bool)
+        rows = rows[~seen[rows]]
+        if not len(rows):
+            return
+        per_row = _items(field.row_shape)
+        problem = check_heap_ids(handle.map, field.heap_ids, rows, per_row, handle.heaps)
+        if problem is not None:
+            raise PackError(f"{self.path}: dataset {field.name!r} is damaged ({problem})")
+        seen[rows] = True
 
     def _checked_offset(self, dataset: h5py.Dataset, where: str) -> int | None:
         """Where a contiguous dataset's bytes start, checked to lie inside the file."""
@@ -272,6 +383,7 @@ class HDF5File(ForkSafeFile):
         """
         rows = self._rows(indices)
         handle = self._handle_here()
+        self._check_unchanged()  # every batch: NOTE [ A file changed under a reader ]
         columns = {}
         for field in self.fields:
             try:
@@ -291,11 +403,10 @@ class HDF5File(ForkSafeFile):
             ).reshape((self._count, *field.row_shape))
             values = mapped[rows]  # one gather, a copy: NOTE [ Mapped rows ]
         else:
+            self._check_heap(handle, field, rows, self._count)
             values = self._read_sorted(handle.dataset(field.name), rows)
-        if field.kind == "str":
-            if values.dtype.kind == "S":  # fixed length: bytes without the padding
-                return [value.decode("utf-8", "surrogateescape") for value in values.tolist()]
-            return [_text(value) for value in values]
+        if field.kind == "str":  # a str per row; a nested list of str for (N, k, ...) rows
+            return [_text(value) for value in values.tolist()]
         if not values.dtype.isnative and values.dtype.fields is None:  # torch wants native
             values = values.astype(values.dtype.newbyteorder("="))
         if field.kind == "scalar":
@@ -324,12 +435,15 @@ class HDF5File(ForkSafeFile):
         return np.asarray(rows, dtype=np.int64)
 
     def _check_unchanged(self) -> None:
-        # NOTE [ Fork-safe readers ] in packfile.py
-        check_file(self.path)
-        if file_identity(self.path) != self._identity:
+        # NOTE [ Fork-safe readers ] in packfile.py; NOTE [ A file changed under a reader ]
+        try:
+            identity = file_identity(self.path)
+        except OSError:
+            identity = None
+        if identity != self._identity:
             raise PackError(
-                f"{self.path}: the file changed since this dataset opened it: create the "
-                f"dataset again"
+                f"{self.path}: the file changed since this dataset opened it (written, "
+                f"truncated or replaced): create the dataset again"
             )
 
     def _open(self) -> _Handle:
@@ -346,9 +460,33 @@ def _items(shape: tuple[int, ...]) -> int:
     return int(np.prod(shape, dtype=np.int64))
 
 
-def _text(value: Any) -> str:
-    if isinstance(value, np.ndarray):  # a 1-element row of a (N, 1) string dataset
-        value = value.reshape(-1)[0] if value.size == 1 else value
+def _text(value: Any) -> str | list:
+    """A string row (``tolist()`` of it) as str: bytes decoded; rows of several strings
+    (a ``(N, 2)`` dataset) as a list of str, nested as the row's shape."""
+    if isinstance(value, (list, tuple)):
+        return [_text(item) for item in value]
+    if isinstance(value, np.ndarray):  # a variable-length string row h5py gives as objects
+        return _text(value.tolist())
     if isinstance(value, bytes):
         return value.decode("utf-8", "surrogateescape")
     return str(value)
+
+
+def _in_file(dataset: h5py.Dataset, file: h5py.File) -> bool:
+    """Whether ``dataset`` lies in ``file`` itself, whatever links led to it."""
+    return h5py.h5o.get_info(dataset.id).fileno == h5py.h5o.get_info(file.id).fileno
+
+
+# NOTE [ Mapped bytes are h5py's bytes ]
+# h5py converts a dataset's stored type to the NumPy dtype it reports: N-bit integers (a
+# precision or bit offset other than the whole word) are shifted and masked, strings padded
+# with spaces or terminated by a null are trimmed, floats of other layouts are converted. A
+# mapped row skips that conversion, so a dataset is mapped only when its stored HDF5 type is
+# exactly the type h5py reads it into (``H5Tequal`` with the memory type h5py makes for its
+# dtype): byte order included (a big-endian dataset's bytes are mapped as big-endian and
+# converted by NumPy, as h5py would). Anything else is read by h5py.
+def _maps_exactly(dataset: h5py.Dataset) -> bool:
+    try:
+        return bool(dataset.id.get_type().equal(h5py.h5t.py_create(dataset.dtype)))
+    except Exception:  # noqa: BLE001 - a type h5py cannot describe: it reads it, or refuses
+        return False

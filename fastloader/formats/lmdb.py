@@ -23,7 +23,6 @@ from fastloader.formats.lmdb_checks import (
     LeafDamaged,
     RecordSpans,
     check_lmdb_file,
-    mapping_start,
     record_key,
     value_lies_in_file,
 )
@@ -35,7 +34,8 @@ _METADATA_KEY = b"__metadata__"
 _TARGETS_KEY = b"__targets__"
 _SOURCES_KEY = b"__sources__"
 _SOURCE_OFFSETS_KEY = b"__source_offsets__"
-_MAP_SIZE = 1 << 40  # address space only: the file grows as pages are written
+_OS_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_FIRST_MAP_SIZE = 64 << 20  # NOTE [ The writer's map grows with the data ]
 _COMMIT_BYTES = 64 << 20
 
 
@@ -64,11 +64,11 @@ class _Env(NamedTuple):
 # NOTE [ LMDB values checked against the file ]
 # LMDB trusts the file: a value's page number and size come from the leaf node as stored, and
 # are handed back as a view into the memory map without a check. py-lmdb's default map is
-# 10 MiB (or the size the meta page declares, up to 1 TiB for our writer), larger than a small
-# pack: a damaged size or overflow-page number then gives a view that runs past the end of the
-# file but inside the mapping, and touching it kills the process with SIGBUS (what the fuzzing
-# of issue 10 found; in a DataLoader worker torch reports it as "out of shared memory"). Three
-# steps close that class:
+# 10 MiB (or the size the meta page declares: up to twice the pack for our writer), larger
+# than a small pack: a damaged size or overflow-page number then gives a view that runs past
+# the end of the file but inside the mapping, and touching it kills the process with SIGBUS
+# (what the fuzzing of issue 10 found; in a DataLoader worker torch reports it as "out of
+# shared memory"). Three steps close that class:
 # 1. before LMDB opens a file, its two meta pages are parsed and checked (lmdb_checks.py): page
 #    size, last page and root page against the file size, so every page LMDB walks to is in it;
 # 2. the map is only as large as the file (map_size = file size; LMDB raises it only to its
@@ -304,6 +304,29 @@ class LMDBPack(PackFile):
         return results
 
 
+def mapping_start(path: Path, identity: tuple[int, int, int, int], map_size: int) -> int | None:
+    """The address at which this process maps ``path`` (LMDB's map), or None if unknown.
+
+    Read from ``/proc/self/maps`` (Linux): the mapping of this inode at offset 0 whose length
+    is the map size. None where there is no such file, or the mapping is not found.
+    """
+    length = -(-map_size // _OS_PAGE) * _OS_PAGE
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.read().splitlines()
+    except OSError:
+        return None
+    found = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or int(fields[2], 16) != 0 or int(fields[4]) != identity[1]:
+            continue
+        start, end = (int(value, 16) for value in fields[0].split("-"))
+        if end - start == length:
+            found.append(start)
+    return found[-1] if len(found) == 1 else None
+
+
 class LMDBWriter(PackWriter):
     """Writes an LMDB pack to exactly ``path``; the file is complete only after ``close()``.
 
@@ -312,30 +335,70 @@ class LMDBWriter(PackWriter):
 
     backend = "lmdb"
 
+    # NOTE [ The writer's map grows with the data ]
+    # LMDB maps the whole file and reserves its map size in address space up front: a fixed
+    # 1 TiB map made packing fail ("Cannot allocate memory") under an address-space limit
+    # (``ulimit -v``, as batch schedulers set). The map starts at 64 MiB and doubles when
+    # LMDB says it is full: the transaction in progress is aborted, the map grown, and the
+    # puts since the last commit (kept until it, at most _COMMIT_BYTES) written again. The
+    # address space used is then about twice the pack, never more than the data justifies.
     def _open(self) -> None:
+        self._map_size = _FIRST_MAP_SIZE
         self._env = lmdb.open(
-            str(self.path), subdir=False, map_size=_MAP_SIZE, lock=False, sync=False, meminit=False
+            str(self.path),
+            subdir=False,
+            map_size=self._map_size,
+            lock=False,
+            sync=False,
+            meminit=False,
         )
         self._txn = self._env.begin(write=True)
         self._pending = 0
+        self._uncommitted: list[tuple[bytes, bytes, bool]] = []
+
+    def _write(self, key: bytes, value: bytes, *, append: bool = False) -> None:
+        """``put`` in the open transaction, growing the map when it is full."""
+        self._uncommitted.append((key, value, append))
+        try:
+            self._txn.put(key, value, append=append)
+        except lmdb.MapFullError:
+            self._grow()
+
+    def _grow(self) -> None:
+        # NOTE [ The writer's map grows with the data ]
+        self._txn.abort()
+        while True:
+            self._map_size *= 2
+            self._env.set_mapsize(self._map_size)
+            self._txn = self._env.begin(write=True)
+            try:
+                for key, value, append in self._uncommitted:
+                    self._txn.put(key, value, append=append)
+                return
+            except lmdb.MapFullError:
+                self._txn.abort()
+
+    def _commit(self) -> None:
+        self._txn.commit()
+        self._uncommitted = []
+        self._pending = 0
 
     def _put(self, record: bytes) -> None:
-        self._txn.put(record_key(self.count), record, append=True)
+        self._write(record_key(self.count), record, append=True)
         self._pending += len(record)
         if self._pending >= _COMMIT_BYTES:
-            self._txn.commit()
+            self._commit()
             self._txn = self._env.begin(write=True)
-            self._pending = 0
 
     def close(self) -> None:
         """Write the labels, source paths and metadata, sync and close: the pack is complete."""
         arrays = self.arrays()
-        self._txn.put(_TARGETS_KEY, arrays["labels"].tobytes())
+        self._write(_TARGETS_KEY, arrays["labels"].tobytes())
         if "sources" in arrays:
-            self._txn.put(_SOURCES_KEY, arrays["sources"].tobytes())
-            self._txn.put(_SOURCE_OFFSETS_KEY, arrays["source_offsets"].tobytes())
-        self._txn.put(_METADATA_KEY, self.metadata_json(arrays))
-        self._txn.commit()
+            self._write(_SOURCES_KEY, arrays["sources"].tobytes())
+            self._write(_SOURCE_OFFSETS_KEY, arrays["source_offsets"].tobytes())
+        self._write(_METADATA_KEY, self.metadata_json(arrays))
+        self._commit()
         self._env.sync(True)
         self._env.close()
 

@@ -9,7 +9,6 @@ read with plain file reads and everything LMDB will rely on is checked against t
 
 from __future__ import annotations
 
-import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +31,6 @@ _DATA_VERSION = 1
 _PAGE_SIZES = (4096, 8192, 16384, 32768, 65536)
 _P_INVALID = (1 << 64) - 1
 _MAX_DEPTH = 32  # a B-tree of 2^64 entries with two per page is 64 deep; ours are < 10
-_OS_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _meta(path: Path, page: bytes) -> dict:
@@ -50,6 +48,7 @@ def _meta(path: Path, page: bytes) -> dict:
         "psize": free[0],
         "free": {"flags": free[1], "depth": free[2], "pages": sum(free[3:6]), "root": free[7]},
         "main": {"flags": main[1], "depth": main[2], "pages": sum(main[3:6]), "root": main[7]},
+        "counts": dict(zip(("branch", "leaf", "overflow", "entries"), main[3:7], strict=True)),
         "last_pg": fields[20],
         "txnid": fields[21],
     }
@@ -64,6 +63,21 @@ def check_lmdb_file(path: Path, size: int) -> tuple[int, int]:
     Raises:
         PackError: naming the file, if it is not LMDB, or its meta page points outside it.
     """
+    meta = checked_meta(path, size)
+    if meta["main"]["flags"] != 0:
+        raise PackError(f"{path}: not a fastloader LMDB pack (database flags)")
+    return meta["psize"], meta["main"]["root"]
+
+
+def checked_meta(path: Path, size: int, *, whole: bool = True) -> dict:
+    """The meta page LMDB will use for the file at ``path`` (``size`` bytes), checked against
+    its size: ``psize``, ``last_pg``, ``main``/``free`` (flags, depth, pages, root) and the main
+    database's page ``counts`` and entries. Raises PackError as ``check_lmdb_file``.
+
+    ``whole=False`` accepts a file shorter than the pages the meta page says are in use (LMDB
+    leaves the pages allocated and freed within one transaction unwritten at the end of a
+    user's environment); then no page past the file's end may be referenced, which the caller
+    checks."""
     with open(path, "rb") as file:
         first = file.read(_PAGE_HEADER.size + _META.size)
         meta0 = _meta(path, first)
@@ -74,7 +88,7 @@ def check_lmdb_file(path: Path, size: int) -> tuple[int, int]:
         meta1 = _meta(path, file.read(_PAGE_HEADER.size + _META.size))
     meta = meta1 if meta1["txnid"] > meta0["txnid"] else meta0  # what LMDB picks
     pages = meta["last_pg"] + 1
-    if meta["last_pg"] >= _P_INVALID // psize or pages * psize > size:
+    if meta["last_pg"] >= _P_INVALID // psize or whole and pages * psize > size:
         raise PackError(
             f"{path}: truncated or damaged LMDB file (its meta page says {pages} pages of "
             f"{psize} bytes; the file has {size} bytes)"
@@ -86,9 +100,7 @@ def check_lmdb_file(path: Path, size: int) -> tuple[int, int]:
             raise PackError(f"{path}: damaged LMDB file ({name} root page {db['root']})")
         if db["depth"] > _MAX_DEPTH or db["pages"] > pages or (empty and db["depth"]):
             raise PackError(f"{path}: damaged LMDB file ({name} database statistics)")
-    if meta["main"]["flags"] != 0:
-        raise PackError(f"{path}: not a fastloader LMDB pack (database flags)")
-    return psize, meta["main"]["root"]
+    return meta
 
 
 # The B-tree pages a value lookup walks (64-bit build): the 16-byte page header above, then
@@ -369,6 +381,33 @@ class _Found(NamedTuple):
     branches: list[tuple]
 
 
+def _branch_child(page: tuple, count: int, key: bytes) -> int:
+    """The last node of a branch page whose key is <= ``key`` (node 0 stands for -inf)."""
+    low, high, chosen = 1, count - 1, 0
+    while low <= high:
+        middle = (low + high) // 2
+        if _key(page, middle) <= key:
+            chosen, low = middle, middle + 1
+        else:
+            high = middle - 1
+    return chosen
+
+
+def _leaf_node(page: tuple, count: int, key: bytes) -> int | None:
+    """The node of a leaf page whose key is ``key``, or None."""
+    low, high = 0, count - 1
+    while low <= high:
+        middle = (low + high) // 2
+        found = _key(page, middle)
+        if found == key:
+            return middle
+        if found < key:
+            low = middle + 1
+        else:
+            high = middle - 1
+    return None
+
+
 def _find_in_leaf(
     file: bytes | memoryview,
     psize: int,
@@ -400,14 +439,7 @@ def _find_in_leaf(
             if flags & _P_BRANCH:
                 if on_branch is not None:
                     on_branch(page)
-                low, high = 1, count - 1  # the last node whose key <= key (node 0: -inf)
-                chosen = 0
-                while low <= high:
-                    middle = (low + high) // 2
-                    if _key(page, middle) <= key:
-                        chosen, low = middle, middle + 1
-                    else:
-                        high = middle - 1
+                chosen = _branch_child(page, count, key)
                 _, lo, hi, node_flags, _ = _node(page, chosen)
                 pgno = lo | hi << 16 | node_flags << 32
                 if chosen > 0:  # node 0's key stands for everything below node 1's
@@ -418,17 +450,8 @@ def _find_in_leaf(
                 continue
             if not flags & _P_LEAF:
                 return False
-            low, high = 0, count - 1
-            while low <= high:
-                middle = (low + high) // 2
-                found = _key(page, middle)
-                if found == key:
-                    return _Found(page, middle, bound_low, bound_high, branches)
-                if found < key:
-                    low = middle + 1
-                else:
-                    high = middle - 1
-            return None
+            node = _leaf_node(page, count, key)
+            return None if node is None else _Found(page, node, bound_low, bound_high, branches)
         except (ValueError, struct.error):
             return False
     return False
@@ -451,29 +474,6 @@ def _value_span(page: tuple, i: int) -> tuple[int, int] | None:
     if overflow >= len(file) // psize or start + data_size > len(file):
         return None
     return start, data_size
-
-
-def mapping_start(path: Path, identity: tuple[int, int, int, int], map_size: int) -> int | None:
-    """The address at which this process maps ``path`` (LMDB's map), or None if unknown.
-
-    Read from ``/proc/self/maps`` (Linux): the mapping of this inode at offset 0 whose length
-    is the map size. None where there is no such file, or the mapping is not found.
-    """
-    length = -(-map_size // _OS_PAGE) * _OS_PAGE
-    try:
-        with open("/proc/self/maps") as maps:
-            lines = maps.read().splitlines()
-    except OSError:
-        return None
-    found = []
-    for line in lines:
-        fields = line.split(maxsplit=5)
-        if len(fields) < 6 or int(fields[2], 16) != 0 or int(fields[4]) != identity[1]:
-            continue
-        start, end = (int(value, 16) for value in fields[0].split("-"))
-        if end - start == length:
-            found.append(start)
-    return found[-1] if len(found) == 1 else None
 
 
 def _node(page: tuple, i: int) -> tuple[int, int, int, int, int]:

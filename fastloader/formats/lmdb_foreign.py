@@ -7,12 +7,15 @@ the torch dataset is ``fastloader.datasets.users_files.LMDBFileDataset``.
 
 NOTE [ Foreign LMDB environments ]
 As for HDF5 (NOTE [ Foreign HDF5 files ] in hdf5_foreign.py), a user's environment carries no
-checksum, but a damaged one must not crash the reader: its meta pages are checked against the
-file before py-lmdb opens it, the map is no larger than the file, and each value's path through
-the B-tree is walked in our own map and checked to lie in the file before py-lmdb is asked for
-it (NOTE [ LMDB values checked against the file ] in lmdb.py, the same code). The keys are
-listed once, at construction, into one byte string and an offsets array (no Python list of
-keys: "No copy-on-write growth" in the design).
+checksum, but a damaged one must not crash the reader nor give a sample LMDB would not: its
+meta pages are checked against the file, then its whole main-database tree is walked and
+checked in fastloader's own read-only map (NOTE [ Users' LMDB trees checked whole ] in
+lmdb_tree.py), once, at construction. The walk lists every key and where its value lies, into
+NumPy arrays (no Python list of keys: "No copy-on-write growth" in the design); a read is then
+a slice of the same map, in the process that reads: neither LMDB nor py-lmdb ever walks a
+user's tree. Before each batch the file's identity (device, inode, size, modification time) is
+compared with the one checked: an environment written, truncated or replaced since is an
+error naming it, not a read of pages that moved (or a SIGBUS past a truncated end).
 """
 
 from __future__ import annotations
@@ -23,10 +26,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import lmdb
 import numpy as np
 
-from fastloader.formats.lmdb_checks import check_lmdb_file, record_key, value_lies_in_file
+from fastloader.formats.lmdb_checks import (
+    check_lmdb_file,
+    checked_meta,
+    record_key,
+    value_lies_in_file,
+)
+from fastloader.formats.lmdb_tree import check_tree
 from fastloader.formats.packfile import ForkSafeFile, file_identity, sample_row
 from fastloader.formats.records import PackError
 
@@ -55,9 +63,6 @@ def is_lmdb_pack(path: str | os.PathLike) -> bool:
     if path.is_dir():
         return False
     try:
-        entry = _shared._open.get(file_identity(path))
-        if entry is not None and entry[0] == os.getpid():
-            return False  # open here already as a user's environment
         size = os.path.getsize(path)
         psize, root = check_lmdb_file(path, size)
         if root == (1 << 64) - 1:  # an empty database
@@ -74,81 +79,25 @@ def is_lmdb_pack(path: str | os.PathLike) -> bool:
         return True
 
 
-class _opened:
-    """A read-only environment as large as its file (NOTE [ Foreign LMDB environments ])."""
-
-    def __init__(self, path: Path, size: int, *, subdir: bool) -> None:
-        self.env = lmdb.open(
-            str(path),
-            subdir=subdir,
-            readonly=True,
-            lock=False,
-            readahead=False,
-            max_readers=2048,
-            map_size=max(size, 1),
-        )
-
-    def __enter__(self) -> lmdb.Environment:
-        return self.env
-
-    def __exit__(self, *exc: Any) -> None:
-        self.env.close()
-
-
-class _Shared:
-    """Environments shared by the readers of one process (py-lmdb opens a file once per
-    process), counted by users; an entry inherited through a fork is closed in the child,
-    unmapping only the child's copy (as lmdb._Environments does for packs)."""
-
-    def __init__(self) -> None:
-        self._open: dict[tuple, tuple[int, _Handle, int]] = {}
-
-    def acquire(self, path: Path, data: Path, subdir: bool, identity: tuple) -> _Handle:
-        pid = os.getpid()
-        entry = self._open.get(identity)
-        if entry is not None and entry[0] == pid:
-            self._open[identity] = (pid, entry[1], entry[2] + 1)
-            return entry[1]
-        if entry is not None:
-            try:
-                entry[1].close()
-            except Exception:  # noqa: BLE001
-                pass
-        handle = _Handle(path, data, subdir, identity[2])
-        self._open[identity] = (pid, handle, 1)
-        return handle
-
-    def release(self, identity: tuple, handle: _Handle) -> None:
-        entry = self._open.get(identity)
-        if entry is None or entry[0] != os.getpid() or entry[1] is not handle:
-            return
-        if entry[2] > 1:
-            self._open[identity] = (entry[0], handle, entry[2] - 1)
-        else:
-            del self._open[identity]
-            handle.close()
-
-
 class _Handle:
-    def __init__(self, path: Path, data: Path, subdir: bool, size: int) -> None:
-        self.psize, self.root = check_lmdb_file(data, size)
-        try:
-            self.env = _opened(path, size, subdir=subdir).env
-        except lmdb.Error as error:
-            raise PackError(f"{path}: not a readable LMDB environment ({error})") from None
+    """fastloader's read-only map of the data file, in one process."""
+
+    def __init__(self, data: Path, size: int) -> None:
         with open(data, "rb") as opened:
             self.map = mmap.mmap(opened.fileno(), size, access=mmap.ACCESS_READ)
 
     def close(self) -> None:
-        self.env.close()
-        self.map.close()
-
-
-_shared = _Shared()
+        try:
+            self.map.close()
+        except BufferError:  # a view still alive: unmapped when the last one goes
+            pass
 
 
 class LMDBFile(ForkSafeFile):
     """A user's LMDB environment: sample ``i`` is the value of the ``i``-th key (torch-free).
+
+    Named sub-databases are not samples: their entries in the main database are skipped, and
+    naming one in ``keys`` is refused (NOTE [ Users' LMDB trees checked whole ]).
 
     Args:
         path: the environment: a folder holding ``data.mdb``, or a single LMDB file.
@@ -158,8 +107,10 @@ class LMDBFile(ForkSafeFile):
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
-        PackError: naming the environment if it is damaged, truncated or not LMDB.
-        KeyError: if a key of ``keys`` is not in it.
+        PackError: naming the environment if it is damaged, truncated or not LMDB, or its main
+            database has flags (dupsort, integer keys) whose order is not byte order.
+        KeyError: if a key of ``keys`` is not in it, or names a sub-database.
+        TypeError: if a key of ``keys`` is neither bytes nor str.
     """
 
     def __init__(
@@ -174,26 +125,43 @@ class LMDBFile(ForkSafeFile):
         self._data, self._subdir = _data_file(self.path)
         if not self._data.is_file():
             raise PackError(f"{self.path}: a folder without data.mdb, not an LMDB environment")
+        wanted = None if keys is None else _as_keys(keys)
         self.decode = decode
         self._identity = file_identity(self._data)
         self._handle: _Handle | None = None
         self._pid: int | None = None
+        size = self._identity[2]
+        meta = checked_meta(self._data, size, whole=False)  # before anything maps more
         handle = self._handle_here()
         try:
-            with handle.env.begin() as txn:
-                if keys is None:
-                    listed = list(txn.cursor().iternext(keys=True, values=False))
-                else:
-                    listed = [key.encode() if isinstance(key, str) else bytes(key) for key in keys]
-                    missing = [key for key in listed if txn.get(key) is None]
-                    if missing:
-                        raise KeyError(f"{self.path}: no value under the keys {missing[:5]}")
-        except lmdb.Error as error:
-            raise PackError(f"{self.path}: damaged LMDB environment ({error})") from None
+            tree = check_tree(handle.map, self.path, meta)
         finally:
             self.close()
-        self._keys = np.frombuffer(b"".join(listed), dtype=np.uint8)
-        self._key_offsets = np.cumsum([0] + [len(key) for key in listed], dtype=np.int64)
+        if wanted is None:
+            self._keys, self._key_offsets = tree.keys, tree.key_offsets
+            self._starts, self._sizes = tree.starts, tree.sizes
+        else:
+            self._select(tree, wanted)
+
+    def _select(self, tree: Any, wanted: list[bytes]) -> None:
+        """Keep the keys ``wanted``, in their order (KeyError for one not in the tree)."""
+        listed = tree.keys.tobytes()
+        offsets = tree.key_offsets.tolist()
+        row = {listed[offsets[i] : offsets[i + 1]]: i for i in range(len(offsets) - 1)}
+        subdatabases = [key for key in wanted if key in tree.subdatabases]
+        if subdatabases:
+            raise KeyError(
+                f"{self.path}: the keys {subdatabases[:5]} name sub-databases, not samples "
+                f"(only the main database's values are read)"
+            )
+        missing = [key for key in wanted if key not in row]
+        if missing:
+            raise KeyError(f"{self.path}: no value under the keys {missing[:5]}")
+        rows = np.array([row[key] for key in wanted], dtype=np.int64)
+        self._keys = np.frombuffer(b"".join(wanted), dtype=np.uint8)
+        self._key_offsets = np.zeros(len(wanted) + 1, dtype=np.int64)
+        np.cumsum([len(key) for key in wanted], out=self._key_offsets[1:])
+        self._starts, self._sizes = tree.starts[rows], tree.sizes[rows]
 
     def __len__(self) -> int:
         return len(self._key_offsets) - 1
@@ -209,27 +177,22 @@ class LMDBFile(ForkSafeFile):
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         return self.read_many(indices)
 
-    def read_many(self, indices: Sequence[int]) -> list[Any]:
-        """Samples ``indices`` in order, in one read transaction.
+    def read_many(self, indices: Sequence[int], raw: bool = False) -> list[Any]:
+        """Samples ``indices`` in order, their bytes with ``raw``.
+
+        See NOTE [ Foreign LMDB environments ].
 
         Raises:
             IndexError: for an index out of range.
-            PackError: if a value lies outside the file or the environment is damaged.
+            PackError: if the environment changed since the dataset was created.
         """
-        keys = [self.key(index) for index in indices]
+        rows = [self._row(index) for index in indices]
         handle = self._handle_here()
-        values = []
-        try:
-            with handle.env.begin(buffers=True) as txn:
-                for key in keys:
-                    inside = value_lies_in_file(handle.map, handle.psize, handle.root, key)
-                    if not inside:
-                        what = "is missing" if inside is None else "lies outside the file"
-                        raise PackError(f"{self.path}: the value of key {key[:60]!r} {what}")
-                    values.append(bytes(txn.get(key)))
-        except lmdb.Error as error:
-            raise PackError(f"{self.path}: damaged LMDB environment ({error})") from None
-        if self.decode is None:
+        self._check_unchanged()  # every batch: NOTE [ Foreign LMDB environments ]
+        view = handle.map
+        starts, sizes = self._starts, self._sizes
+        values = [view[starts[row] : starts[row] + sizes[row]] for row in rows]
+        if self.decode is None or raw:
             return values
         return [self.decode(value) for value in values]
 
@@ -238,17 +201,37 @@ class LMDBFile(ForkSafeFile):
 
     def _check_unchanged(self) -> None:
         # NOTE [ Fork-safe readers ] in packfile.py
-        if file_identity(self._data) != self._identity:
+        try:
+            identity = file_identity(self._data)
+        except OSError:
+            identity = None
+        if identity != self._identity:
             raise PackError(
-                f"{self.path}: the environment changed since this dataset opened it: create "
-                f"the dataset again"
+                f"{self.path}: the environment changed since this dataset opened it (written, "
+                f"truncated or replaced): create the dataset again"
             )
 
     def _open(self) -> _Handle:
-        return _shared.acquire(self.path, self._data, self._subdir, self._identity)
+        return _Handle(self._data, self._identity[2])
 
     def _close_handle(self, handle: _Handle) -> None:
-        _shared.release(self._identity, handle)
+        handle.close()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.path)!r}, {len(self)} values)"
+
+
+def _as_keys(keys: Sequence[bytes | str]) -> list[bytes]:
+    if isinstance(keys, (str, bytes)):
+        keys = [keys]
+    out = []
+    for at, key in enumerate(keys):
+        if isinstance(key, str):
+            out.append(key.encode())
+        elif isinstance(key, (bytes, bytearray, memoryview)):
+            out.append(bytes(key))
+        else:
+            raise TypeError(
+                f"keys must be bytes or str, got {type(key).__name__} {key!r} at position {at}"
+            )
+    return out

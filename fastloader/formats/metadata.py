@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from fastloader.formats.bounded_json import parse_json
+from fastloader.formats.bounded_json import check_writable, parse_json
 from fastloader.formats.fields import check_schema
 from fastloader.formats.records import (
     FIELDS_VERSION,
@@ -80,7 +80,13 @@ def make_metadata(
 
 
 def dump_metadata(metadata: dict[str, Any]) -> bytes:
-    """Serialise metadata to JSON bytes (raises TypeError for values JSON cannot hold)."""
+    """Serialise metadata to JSON bytes (raises TypeError for values JSON cannot hold, keys
+    that are not str, or nesting deeper than the reader reads: a pack the reader refuses is
+    never written)."""
+    try:
+        check_writable(metadata)
+    except ValueError as error:
+        raise TypeError(f"metadata (info=) that would not read back: {error}") from None
     return json.dumps(metadata, sort_keys=True).encode()
 
 

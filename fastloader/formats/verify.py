@@ -3,8 +3,9 @@
 ``fastloader.verify(path)`` returns a report; ``run_cli`` is what ``fastloader-pack --verify``
 runs. Opening the pack already checks the metadata (its checksum and every field), the labels,
 offsets and source paths (their checksums) and the file's structure; then every record is read
-and checked as a training read checks it (checksum, header, label against the label index),
-without decoding images: the checksum already covers every stored byte.
+and checked as a training read checks it (checksum, header, label against the label index,
+and in a pack of any sample every field decoded as a read decodes it), without decoding
+images: the checksum already covers every stored byte.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
-from fastloader.formats.records import PackError
+from fastloader.formats.fields import FieldsDecoder
+from fastloader.formats.records import PackError, RecordKind
 
 PROG = "fastloader-pack"
 _CHUNK = 1024  # records per read transaction
@@ -95,9 +98,16 @@ def verify(path: str | os.PathLike, progress: bool | None = None) -> VerifyRepor
 def _check_chunk(dataset, positions: range) -> list[tuple[int, str]]:
     """Check records at ``positions`` in one transaction; one by one if the file fails."""
 
+    decoder = FieldsDecoder(dataset.schema) if dataset.schema is not None else None
+
     def check(position: int, buffer) -> tuple[int, str] | None:
         try:
-            dataset._record(position, buffer)
+            record = dataset._record(position, buffer)
+            if decoder is not None:  # every field read back, as a training read reads it
+                where = f"{dataset.path} record {position}"
+                if record.kind is not RecordKind.FIELDS:
+                    raise PackError(f"{where}: an image record in a pack of fields")
+                decoder.decode(record.payload, where, _image_header_only)
         except PackError as error:
             return position, _reason(error, dataset.path)
         return None
@@ -113,6 +123,11 @@ def _check_chunk(dataset, positions: range) -> list[tuple[int, str]]:
             except PackError as error:
                 results.append((position, _reason(error, dataset.path)))
     return [result for result in results if result is not None]
+
+
+def _image_header_only(stored: int, shape: Any, data: memoryview, name: str) -> None:
+    """An image field, its header already checked by the decoder; its bytes are covered by
+    the record's checksum (decoding every image would cost what packing did)."""
 
 
 def _reason(error: PackError, path: Path) -> str:

@@ -10,6 +10,8 @@ and nothing else. Everything else reads it or calls one of its transitions:
 - ``jump_to(epoch)`` — ``loader.set_epoch``: the next iteration is ``epoch``, from its start;
 - ``resume_at(epoch, position)`` — ``load_state_dict``: the next iteration is ``epoch``, from
   ``position`` (in the unit of ``_resume.describe_order``);
+- ``restart_at(position)`` — a ``Mix``'s weights changed mid-epoch: the current iteration
+  goes on from ``position``, what was loaded ahead is loaded again (loader/mixing.py);
 - ``begin(requested)`` — ``iter(loader)``: move to the next epoch (or the user's
   ``sampler.set_epoch`` value, NOTE [ A user's set_epoch wins ] in samplers.py), take the
   resume target, and return (epoch, position) for the iterator;
@@ -85,6 +87,12 @@ class EpochCursor:
         self.consumed = 0
         self.complete = False
         return self.epoch, position
+
+    def restart_at(self, position: int) -> None:
+        """The current iteration goes on from ``position`` of its epoch (a ``Mix``'s weights
+        changed: what was loaded ahead is loaded again, NOTE [ Weight changes ])."""
+        self.start = position
+        self.consumed = 0
 
     def consumed_batch(self) -> None:
         """A batch (or the error raised in its place) was handed out."""

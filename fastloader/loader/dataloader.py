@@ -12,10 +12,12 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import DistributedSampler, IterableDataset
 
+from fastloader.loader import mixing
 from fastloader.loader.cursor import EpochCursor
 from fastloader.loader.iterators import SingleProcessIter, WorkerPoolIter
 from fastloader.loader.resume import build_state, resume_point
 from fastloader.loader.seeding import resolve_seed, resolve_seed_rngs
+from fastloader.loader.state_checks import validate_state as check_state_fields
 from fastloader.sampling.distributed import ElasticDistributedSampler
 from fastloader.sampling.samplers import (
     BlockShuffleSampler,
@@ -77,9 +79,10 @@ class DataLoader(TorchDataLoader[T_co]):
             it (a model initialised after building the loader is the same as with torch).
             Iterating neither draws from it (torch draws a worker seed per ``iter()``). The
             attribute holds the seed in use.
-        seed_rngs: "auto" (default) seeds each RNG before a sample only once the dataset has
-            been seen drawing from it in that process (same samples as seeding every time;
-            see docs/diagnosis.md); "always" (or True) seeds all three before every sample;
+        seed_rngs: "auto" (default) gives the samples of "always", calling ``dataset[i]``
+            once each, but seeds an RNG the dataset was not seen using in its first samples
+            once per batch only (see docs/diagnosis.md for its one exception); "always" (or
+            True) seeds all three before every sample;
             "never" (or False) leaves the RNGs alone, as torch does: for datasets without
             randomness, or that seed their own generators.
         distributed: shard the dataset across the ranks of the initialised
@@ -133,6 +136,9 @@ class DataLoader(TorchDataLoader[T_co]):
             pin_memory = True
         is_map_style = not isinstance(dataset, IterableDataset)
 
+        sampler, shuffle = mixing.choose_sampler(  # a Mix: its own order (sampling/mix.py)
+            dataset, sampler, batch_sampler, distributed, shuffle, batch_size, drop_last, seed
+        )
         if distributed:
             sampler = _distributed_sampler(
                 dataset, shuffle, sampler, batch_sampler, seed, drop_last, batch_size
@@ -147,7 +153,7 @@ class DataLoader(TorchDataLoader[T_co]):
                 default_collate,  # names ragged fields in its error
             )
 
-            collate_fn = default_collate
+            collate_fn = mixing.collate_for(dataset, default_collate)  # a Mix's: its fields
         super().__init__(
             dataset,
             batch_size=batch_size,
@@ -181,6 +187,8 @@ class DataLoader(TorchDataLoader[T_co]):
         self._epoch_requests = _record_set_epoch_calls(self)
         self._resolved_device = resolved_device
         self._pool: WorkerPoolIter | None = None
+        if hasattr(dataset, "attach") and isinstance(self.sampler, mixing.MIX_SAMPLERS):
+            dataset.attach(self)  # weight changes take effect at this loader's position
 
     # -- epochs -------------------------------------------------------------------------
 
@@ -238,6 +246,8 @@ class DataLoader(TorchDataLoader[T_co]):
         self._iterator = source if self.num_workers else None
         pids = source.worker_pids if self.num_workers else [os.getpid()]
         self.stats.watch_workers(self.num_workers, getattr(source, "busy_seconds", None), pids)
+        if isinstance(self.sampler, mixing.MIX_SAMPLERS):
+            mixing.count_sources(self, source, epoch, skip)
         self.stats.iter_done(epoch_length(self, skip))  # time in iter() is a wait for data
         return source
 
@@ -264,6 +274,8 @@ class DataLoader(TorchDataLoader[T_co]):
     def worker_pids(self) -> list[int]:
         """PIDs of the live worker processes (empty when none are running)."""
         pool = self._pool
+        if pool is None and isinstance(self._iterator, WorkerPoolIter):
+            pool = self._iterator  # this epoch's workers (persistent_workers=False)
         if pool is None or pool._shutdown:
             return []
         return pool.worker_pids
@@ -309,7 +321,11 @@ class DataLoader(TorchDataLoader[T_co]):
             ValueError: if ``state`` is not a fastloader state, is malformed, or cannot be
                 resumed exactly by this loader (naming the field that differs).
         """
+        check_state_fields(state)  # every field first, the mix's included
+        apply_mix = mixing.prepare_resume(self, state)  # NOTE [ Resuming a mix whose ...
         epoch, position = resume_point(state, self)
+        if apply_mix is not None:
+            apply_mix()
         saved_seed = state.get("order", {}).get("sampler_seed")
         if isinstance(saved_seed, bool) or not isinstance(saved_seed, int):
             saved_seed = None
@@ -318,6 +334,14 @@ class DataLoader(TorchDataLoader[T_co]):
         self.close()  # running workers hold the old seed
         self._take_epoch_request()  # the state is newer than any earlier sampler.set_epoch
         self._cursor.resume_at(epoch, position)
+
+    def _mix_next_position(self) -> int:
+        """A ``Mix``'s next unseen global position (NOTE [ Weight changes ])."""
+        return mixing.next_position(self)
+
+    def _mix_replan(self) -> None:
+        """Reload from the next unseen position after a ``Mix``'s weights changed."""
+        mixing.replan(self)
 
     def _seed_samplers(self, order_seed: int, recorded_seed: int | None) -> None:
         """Give the samplers that draw the order from a seed the order's seed.

@@ -49,7 +49,10 @@ from torch.utils.data import (
 
 from fastloader.loader.state_checks import validate_state as check_state_fields
 from fastloader.sampling.distributed import ElasticDistributedSampler
+from fastloader.sampling.mix_samplers import ElasticMixSampler, MixSampler
 from fastloader.sampling.samplers import BlockShuffleSampler, EpochShuffleSampler
+
+MIX_SAMPLERS = (MixSampler, ElasticMixSampler)
 
 STATE_VERSION = 2
 
@@ -122,7 +125,16 @@ def describe_order(loader: Any) -> dict[str, Any]:
         return description
     sampler = loader.sampler
     description["epoch_length"] = _length(sampler)
-    if isinstance(sampler, ElasticDistributedSampler):
+    if isinstance(sampler, MIX_SAMPLERS):  # a Mix: one global order (sampling/mix_order.py)
+        elastic = isinstance(sampler, ElasticDistributedSampler)
+        description.update(
+            sampler="mix",
+            replacement=False,
+            epoch_length=len(loader.dataset),
+            world_size=sampler.num_replicas if elastic else 1,
+            step=sampler.global_batch if elastic else (loader.batch_size or 1),
+        )
+    elif isinstance(sampler, ElasticDistributedSampler):
         description.update(
             sampler="shuffle" if sampler.shuffle else "sequential",
             shuffle=sampler.shuffle,
@@ -197,7 +209,7 @@ def build_state(loader: Any) -> dict[str, Any]:
         "batches_consumed": cursor.consumed if started else 0,
         "batch_size": description["batch_size"],
         "order": order,
-    }
+    } | ({"mix": loader.dataset.state_dict()} if isinstance(loader.sampler, MIX_SAMPLERS) else {})
 
 
 def _delivered_in_order(loader: Any) -> bool:
@@ -332,7 +344,7 @@ def _check_same_order(state: dict[str, Any], here: dict[str, Any]) -> None:
             f"loader: {here['unit']}; sampler kind: {saved.get('sampler')!r} vs "
             f"{here['sampler']!r})"
         )
-    elastic = here["sampler"] in ("shuffle", "sequential")
+    elastic = here["sampler"] in ("shuffle", "sequential", "mix")
     for field in _ORDER_FIELDS:
         if field == "world_size" and elastic:
             continue  # the global order does not depend on the world size
@@ -372,7 +384,7 @@ def _warn_if_the_end_differs(state: dict[str, Any], here: dict[str, Any], positi
         return
     shuffled = here["sampler"] == "shuffle"
     saved_world = saved.get("world_size") or 1
-    global_order = here["sampler"] in ("shuffle", "sequential")
+    global_order = here["sampler"] in ("shuffle", "sequential", "mix")
     saved_step = (state.get("batch_size") or 1) * (saved_world if global_order else 1)
     before = _tail(length, saved_step, saved_world, here["drop_last"], shuffled)
     after = _tail(length - position, here["step"], here["world_size"], here["drop_last"], shuffled)

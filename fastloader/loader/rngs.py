@@ -2,7 +2,7 @@
 save and restore their states cheaply.
 
 Runs in the process that loads data (a worker, or the main process with ``num_workers=0``).
-See NOTE [ Lazy seeding ] in loader/seeding.py for why fingerprints exist and what they detect.
+See NOTE [ Lazy seeding ] in loader/lazy_seeding.py for why fingerprints exist and what they detect.
 """
 
 from __future__ import annotations
@@ -57,10 +57,24 @@ DIRECT_SEEDERS: dict[Callable[[int], None], tuple[Callable[[int], Any], int]] = 
 NAMES = ("random", "numpy.random", "torch")
 
 
+def seed_rngs(seed: int) -> None:
+    """Seed ``random``, ``numpy.random`` (global) and torch's default CPU generator.
+
+    torch gets the low 63 bits, so ``torch.initial_seed()`` fits in an int64 as torch's own
+    worker seeds do (a dataset may return it, and collating it must not overflow).
+    """
+    seed_python(seed)
+    _seed_numpy_legacy(seed & 0xFFFFFFFF)
+    _seed_torch(seed & _MASK63)
+
+
+# numpy >= 1.25; taken now, as StateReads swaps the module's function while samples load
+_get_bit_generator = getattr(np.random, "get_bit_generator", None)
+
+
 def _numpy_bit_generator() -> Any:
-    getter = getattr(np.random, "get_bit_generator", None)  # numpy >= 1.25
-    if getter is not None:
-        return getter()
+    if _get_bit_generator is not None:
+        return _get_bit_generator()
     return np.random.mtrand._rand._bit_generator
 
 
@@ -149,6 +163,12 @@ FINGERPRINTS: tuple[Callable[[], Any], ...] = (
 _STATE_READERS = (
     (random, "getstate", 0),
     (np.random, "get_state", 1),
+    (np.random.mtrand, "get_state", 1),
+    *(
+        (module, "get_bit_generator", 1)  # its .state, or the generator drawn from directly
+        for module in (np.random, np.random.mtrand)
+        if _get_bit_generator is not None
+    ),
     (torch, "initial_seed", 2),
     (torch.random, "initial_seed", 2),
     (torch, "get_rng_state", 2),
@@ -159,7 +179,7 @@ _STATE_READERS = (
 class StateReads:
     """While entered, records which RNGs had their state read through ``_STATE_READERS``.
 
-    A fingerprint sees draws, not reads: NOTE [ Lazy seeding ] in loader/seeding.py. The module
+    A fingerprint sees draws, not reads: NOTE [ Lazy seeding ] in loader/lazy_seeding.py. The module
     functions are swapped for recording wrappers only while a batch loads, and put back after.
     """
 

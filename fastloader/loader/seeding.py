@@ -12,61 +12,25 @@ The epoch travels with every batch of indices (a ``Task``), not in the worker's 
 persistent worker can load batches of the next epoch while the current one is still being
 consumed (see NOTE [ Cross-epoch prefetch ] in ``loader/iterators/``).
 
-- Datasets with ``__getitems__`` load a whole batch in one call; they are seeded once per batch
-  from the batch's first index. A dataset that reads a batch at once but transforms each
-  sample (fastloader's packed datasets) offers ``getitems_with(indices, before_each)``
-  instead: the batch is read in one call, and ``before_each(i)`` seeds each sample's
-  transform from its own index, as with plain ``dataset[i]``.
+- Datasets with ``__getitems__`` of their own load a whole batch in one call; they are seeded
+  once per batch from the batch's first index. A dataset that reads a batch at once but
+  transforms each sample (fastloader's packed datasets, users' files) offers
+  ``getitems_with(indices, before_each)`` instead: the batch is read in one call, and
+  ``before_each(i)`` seeds each sample's decoding and transform from its own index, as with
+  plain ``dataset[i]``.
 - Iterable datasets have no index: each worker is seeded from ``(seed, epoch, worker_id)`` when
-  its iterator is created for the epoch.
+  its iterator yields its first element of the epoch; without workers, as worker 0, and
+  between batches the loading states are kept apart from the training loop's.
 - In the main process (``num_workers=0``) loading must not disturb the training loop's
   randomness, so the caller swaps RNG states around each batch (``RNGStateSwap``).
 
-NOTE [ Lazy seeding ]
-
-Seeding is not free: ``random.seed`` costs about 3.4 us, ``numpy.random.seed`` 1.5 us and
-``torch.manual_seed`` 1.1 us (2-core box, idle), while torch's whole cost for a sample that
-returns its index is 0.6-2 us. Seeding all three before every sample made such datasets 4-15x
-slower than torch. But a sample that never draws from an RNG cannot tell whether it was seeded,
-so with ``seed_rngs="auto"`` (the default) each RNG is seeded before a sample only once the
-dataset has been seen drawing from it in this process:
-
-- Each RNG starts *lazy* in each process and turns *eager* (seeded before every sample, for the
-  rest of the process) the first time a sample is seen drawing from it.
-- Every batch starts by seeding all three RNGs from its first sample's seed, so the first
-  sample is always loaded exactly as the contract says, and the lazy RNGs are in a known, clean
-  state (no cached Gaussian in ``random`` or NumPy, none in torch). A fingerprint of each lazy
-  RNG's state is taken then (``_rngs.FINGERPRINTS``).
-- The other samples are loaded seeding only the eager RNGs. Afterwards, if a lazy RNG's
-  fingerprint moved, a sample drew from it unseeded: it turns eager and every sample after the
-  first is loaded again, seeded (so ``dataset[i]`` may run twice, once per process, the first
-  time a dataset draws from an RNG it had not drawn from in that process). If no fingerprint
-  moved, no sample drew from a lazy RNG, so each sample is what it would have been had every
-  RNG been seeded before it: the batch is the contract's, bit for bit. The lazy RNGs are then
-  seeded from the last sample's seed, so ``collate_fn`` sees the states eager seeding leaves
-  (skipped for torch's ``default_collate``, which draws nothing).
-- In the first batch of a process the fingerprints are also checked after the first sample, so
-  a dataset that draws in every sample is found before anything is loaded twice.
-
-A fingerprint moves on every draw (the Mersenne Twister's position or words change, and a
-Gaussian draws since none is cached), on reseeding and on ``set_state``. It cannot see a state
-*read* without a net draw: ``torch.initial_seed()``, ``get_state()`` used as data, or a draw
-inside a save/restore such as ``torch.random.fork_rng()``, which puts the state back. So while
-those samples load, the module functions that read states (``random.getstate``,
-``numpy.random.get_state``, ``torch.initial_seed``, ``torch.get_rng_state``, also through
-``torch.random``; ``fork_rng`` calls ``torch.get_rng_state``) are swapped for wrappers that
-record the read (``_rngs.StateReads``), and a read counts as a draw. What still escapes: a
-reference bound before loading (``from torch import initial_seed`` at import) or a generator's
-own methods (``torch.default_generator.initial_seed()``). A dataset reading an RNG that way, in
-samples where nothing else draws from it, sees the batch's first seed instead of its own: it
-needs ``seed_rngs="always"`` (all three seeded before every sample, as before "auto").
-``seed_rngs="never"`` leaves the RNGs as torch leaves them, for datasets without randomness or
-with generators of their own (``np.random.default_rng(...)``).
-
-Datasets with ``__getitems__`` are seeded once per batch and packed datasets
-(``getitems_with``) eagerly: both cost far more per sample than seeding. Cost of "auto" for a
-dataset without randomness: two ``seed_rngs`` and two fingerprints per batch (about 30 us, 0.1
-us a sample at batch 256) instead of three seedings a sample.
+Which RNGs are seeded before each sample, and how that stays cheap: NOTE [ Lazy seeding ] in
+``lazy_seeding.py``. torch's wrappers (``Subset``, ``random_split``'s subsets, ``StackDataset``;
+``ConcatDataset`` has no ``__getitems__``) only fan a batch out to the datasets they wrap:
+over datasets loaded per sample they are loaded per sample too, each sample under its own seed
+(``loads_each_sample``), so a sample does not depend on the batch it falls in; Subsets of a
+``getitems_with`` dataset keep its one read per batch, each sample seeded by the index the
+sampler gave (``batch_reader``).
 
 Everything in this module except ``resolve_seed`` runs in the process that loads data.
 """
@@ -74,43 +38,29 @@ Everything in this module except ``resolve_seed`` runs in the process that loads
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from time import perf_counter
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset, default_collate, get_worker_info
+from torch.utils.data import (
+    IterableDataset,
+    StackDataset,
+    Subset,
+    default_collate,
+    get_worker_info,
+)
 
 from fastloader.datasets import collate
-from fastloader.loader.rngs import (
-    DIRECT_SEEDERS,
-    FINGERPRINTS,
-    SEEDERS,
-    StateKeeper,
-    StateReads,
+from fastloader.loader.lazy_seeding import (
+    EachSampleSeeding,
+    SeedingMemory,
+    annotate,
+    probe_length,
 )
-from fastloader.loader.rngs import seed_numpy as _seed_numpy
-from fastloader.loader.rngs import seed_python as _seed_python
-from fastloader.loader.rngs import seed_torch as _seed_torch
-from fastloader.sampling.seeds import (
-    _epoch_key,
-    _index_key,
-    _mix64,
-    batch_seeds,
-    sample_seed,
-)
-
-
-def seed_rngs(seed: int) -> None:
-    """Seed ``random``, ``numpy.random`` (global) and torch's default CPU generator.
-
-    torch gets the low 63 bits, so ``torch.initial_seed()`` fits in an int64 as torch's own
-    worker seeds do (a dataset may return it, and collating it must not overflow).
-    """
-    _seed_python(seed)
-    _seed_numpy(seed)
-    _seed_torch(seed)
-
+from fastloader.loader.rngs import StateKeeper, seed_rngs
+from fastloader.sampling.seeds import _epoch_key, _index_key, _mix64, sample_seed
 
 #: What ``DataLoader(seed_rngs=...)`` accepts; see NOTE [ Lazy seeding ].
 SEED_RNGS_MODES = ("auto", "always", "never")
@@ -122,10 +72,51 @@ def seeding_options(loader: Any) -> dict[str, Any]:
 
     # the default collate_fns draw nothing: no need to seed for them (NOTE [ Lazy seeding ])
     drawless = (default_collate, collate.default_collate)
+    memory = getattr(loader, "_seeding_memory", None)
+    if memory is None:  # what the loader learns of its dataset: NOTE [ Lazy seeding ]
+        memory = loader._seeding_memory = SeedingMemory()
     return {
         "seed_rngs": loader.seed_rngs,
         "collate_may_draw": all(loader.collate_fn is not fn for fn in drawless),
+        "memory": memory,
     }
+
+
+def batch_reader(dataset: Any) -> tuple[Any, list]:
+    """The ``getitems_with`` dataset that ``dataset`` is, or that torch Subsets (nested,
+    as ``random_split`` makes them) select from, and the Subsets' index lists, outermost first;
+    ``(None, [])`` for other datasets."""
+    layers = []
+    inner = dataset
+    while getattr(type(inner), "__getitems__", None) is Subset.__getitems__:
+        layers.append(inner.indices)
+        inner = inner.dataset
+    if callable(getattr(inner, "getitems_with", None)):
+        return inner, layers
+    return None, []
+
+
+def loads_each_sample(dataset: Any) -> bool:
+    """Whether ``dataset[i]`` is called for each sample, rather than ``__getitems__`` once.
+
+    True for datasets without ``__getitems__``, and for torch's ``Subset`` and ``StackDataset``
+    over such datasets (or over fastloader's ``getitems_with`` datasets): their ``__getitems__``
+    only fans the batch out, and per-sample loading keeps each sample under its own seed.
+    """
+    if not callable(getattr(dataset, "__getitems__", None)):
+        return True
+    kind = getattr(type(dataset), "__getitems__", None)
+    if kind is Subset.__getitems__:
+        inner = [dataset.dataset]
+    elif kind is StackDataset.__getitems__:
+        datasets = dataset.datasets
+        inner = list(datasets.values() if isinstance(datasets, dict) else datasets)
+    else:
+        return False
+    return all(
+        loads_each_sample(child) or callable(getattr(child, "getitems_with", None))
+        for child in inner
+    )
 
 
 def resolve_seed_rngs(value: Any) -> str:
@@ -179,13 +170,6 @@ class Task(NamedTuple):
     number: int = -1
 
 
-def _annotate(error: BaseException, index: Any, epoch: int) -> None:
-    # Notes are printed with the traceback, and torch's ExceptionWrapper copies the formatted
-    # traceback into the message it re-raises in the main process.
-    if hasattr(error, "add_note"):
-        error.add_note(f"fastloader: raised while loading sample index {index!r} (epoch {epoch})")
-
-
 class SeededDataset:
     """Wraps a map-style dataset so that each item is loaded under its own seed.
 
@@ -203,6 +187,7 @@ class SeededDataset:
         seed_rngs: str = "auto",
         busy: Any = None,
         collate_may_draw: bool = True,
+        memory: SeedingMemory | None = None,
     ) -> None:
         self.dataset = dataset
         self.seed = seed
@@ -212,19 +197,23 @@ class SeededDataset:
         self.slot = 0  # set in each worker by _WorkerInit
         self.seed_rngs = resolve_seed_rngs(seed_rngs)
         self.collate_may_draw = collate_may_draw
-        # Per RNG (SEEDERS order): seeded before every sample once seen drawing in this process.
-        self.eager = [self.seed_rngs == "always"] * len(SEEDERS)
-        self._probed = False  # whether a batch has been loaded lazily in this process
-        self._epoch_key = (-1, 0)  # (epoch, _epoch_key(seed, epoch)) of the last batch
-        self._reads_: StateReads | None = None  # made where it is used (it holds functions)
-        self._batched = callable(getattr(dataset, "__getitems__", None))
-        self._seeds_each_in_batch = callable(getattr(dataset, "getitems_with", None))
+        # a dataset that seeds each sample of a batch read (getitems_with), maybe under Subsets
+        self._reader, self._subsets = batch_reader(dataset)
+        self._seeds_each_in_batch = self._reader is not None
+        self._batched = not self._seeds_each_in_batch and not loads_each_sample(dataset)
+        self._each = EachSampleSeeding(  # NOTE [ Lazy seeding ]
+            seed,
+            self.seed_rngs,
+            memory if memory is not None else SeedingMemory(),
+            probe_length(dataset),
+            collate_may_draw,
+        )
 
     def _get(self, index: Any, epoch: int) -> Any:
         try:
             return self.dataset[index]
         except Exception as error:
-            _annotate(error, index, epoch)
+            annotate(error, index, epoch)
             raise
 
     def __getitem__(self, task: Task) -> Any:
@@ -261,125 +250,37 @@ class SeededDataset:
             try:
                 return self.dataset.__getitems__(indices)
             except Exception as error:
-                _annotate(error, indices, epoch)
+                annotate(error, indices, epoch)
                 raise
         if self.seed_rngs == "never":
             get = self._get
             return [get(index, epoch) for index in indices]
-        return self._load_each(indices, epoch)
-
-    def _load_each(self, indices: list, epoch: int) -> list:
-        """``dataset[i]`` for each index, seeded as the contract says. NOTE [ Lazy seeding ]"""
-        if not indices:
-            return []
-        if not all(self.eager):
-            return self._load_lazily(indices, epoch)
-        samples: list = []
-        append = samples.append
-        getitem = self.dataset.__getitem__
-        seeds = batch_seeds(self.seed, epoch, indices)
-        try:
-            for index, sample_seed_ in zip(indices, seeds, strict=True):
-                seed_rngs(sample_seed_)
-                append(getitem(index))
-        except Exception as error:
-            _annotate(error, indices[len(samples)], epoch)
-            raise
-        return samples
-
-    @property
-    def _reads(self) -> StateReads:
-        if self._reads_ is None:
-            self._reads_ = StateReads()
-        return self._reads_
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_reads_": None}  # (spawned workers) made again there
-
-    def _sample_seed(self, epoch: int, index: Any) -> int:
-        if self._epoch_key[0] != epoch:
-            self._epoch_key = (epoch, _epoch_key(self.seed, epoch))
-        return _mix64(self._epoch_key[1] ^ _index_key(index))  # == sample_seed(...)
-
-    def _load_lazily(self, indices: list, epoch: int) -> list:
-        # See NOTE [ Lazy seeding ]: the first sample is seeded fully; the others only in the
-        # RNGs seen drawing. If an unseeded RNG was drawn from, the samples after the first
-        # are loaded again, seeding it too.
-        seed_rngs(self._sample_seed(epoch, indices[0]))
-        if len(indices) == 1:  # a batch of one: its only sample is fully seeded
-            return [self._get(indices[0], epoch)]
-        lazy = [rng for rng, eager in enumerate(self.eager) if not eager]
-        before = [FINGERPRINTS[rng]() for rng in lazy]
-        samples = [self._get(indices[0], epoch)]
-        rest = indices[1:]
-        if not self._probed:  # the first batch: find a dataset that always draws at once
-            self._probed = True
-            if self._drew(lazy, before):
-                return samples + self._load_each(rest, epoch)
-        seeders = [seeder for seeder, eager in zip(SEEDERS, self.eager, strict=True) if eager]
-        append = samples.append
-        getitem = self.dataset.__getitem__
-        reads = self._reads
-        try:
-            reads.__enter__()
-            if len(seeders) == 1 and seeders[0] in DIRECT_SEEDERS:  # the common case, inlined
-                seeder, mask = DIRECT_SEEDERS[seeders[0]]
-                seeds = [seed & mask for seed in batch_seeds(self.seed, epoch, rest)]
-                for index, sample_seed_ in zip(rest, seeds, strict=True):
-                    seeder(sample_seed_)
-                    append(getitem(index))
-            elif seeders:
-                for index, sample_seed_ in zip(
-                    rest, batch_seeds(self.seed, epoch, rest), strict=True
-                ):
-                    for seeder in seeders:
-                        seeder(sample_seed_)
-                    append(getitem(index))
-            else:
-                samples.extend(map(getitem, rest))  # appends one by one: len tells who raised
-        except Exception as error:
-            reads.__exit__()
-            if self._drew(lazy, before, reads.read):  # the error may come from an unseeded draw
-                return samples[:1] + self._load_each(rest, epoch)
-            _annotate(error, indices[len(samples)], epoch)
-            raise
-        except BaseException:
-            reads.__exit__()
-            raise
-        reads.__exit__()
-        if self._drew(lazy, before, reads.read):
-            return samples[:1] + self._load_each(rest, epoch)
-        if rest and self.collate_may_draw:  # what collate_fn sees under "always"
-            last_seed = self._sample_seed(epoch, indices[-1])
-            for rng in lazy:
-                SEEDERS[rng](last_seed)
-        return samples
-
-    def _drew(self, lazy: list[int], before: list, read: list[bool] | None = None) -> bool:
-        """Mark the RNGs of ``lazy`` whose state moved since ``before`` (or was ``read``) as
-        eager; were there any?"""
-        moved = False
-        for rng, fingerprint in zip(lazy, before, strict=True):
-            if (read is not None and read[rng]) or FINGERPRINTS[rng]() != fingerprint:
-                self.eager[rng] = True
-                moved = True
-        return moved
+        return self._each.load(self.dataset.__getitem__, indices, epoch)
 
     def _load_seeding_each(self, indices: list, epoch: int) -> list:
         # Packed datasets decode each sample (far dearer than seeding): seeded eagerly.
         key = _epoch_key(self.seed, epoch)
         seeds_on = self.seed_rngs != "never"
         current: list = [indices]
+        read = indices
+        outer: dict = {}  # under Subsets: read index -> the loader's indices, in batch order
+        for layer in self._subsets:
+            read = [layer[index] for index in read]
+        if self._subsets:
+            for index, inner in zip(indices, read, strict=True):
+                outer.setdefault(inner, []).append(index)
 
         def seed_sample(index: Any) -> None:
+            if outer:
+                index = outer[index].pop(0)  # seeded by the index the sampler gave
             current[0] = index
             if seeds_on:
                 seed_rngs(_mix64(key ^ _index_key(index)))  # == sample_seed(seed, epoch, index)
 
         try:
-            return self.dataset.getitems_with(indices, seed_sample)
+            return self._reader.getitems_with(read, seed_sample)
         except Exception as error:
-            _annotate(error, current[0], epoch)
+            annotate(error, current[0], epoch)
             raise
 
     def __len__(self) -> int:
@@ -397,12 +298,19 @@ class SeededIterableDataset(IterableDataset):
         self.epoch = epoch  # a multiprocessing RawValue, shared with the main process
         self.seed_rngs = resolve_seed_rngs(seed_rngs)
 
-    def __iter__(self):
-        if self.seed_rngs != "never":
-            info = get_worker_info()
-            worker_id = info.id if info is not None else 0
-            seed_rngs(sample_seed(self.seed, self.epoch.value, ("worker", worker_id)))
-        return iter(self.dataset)
+    def __iter__(self) -> Iterator[Any]:
+        if self.seed_rngs == "never":
+            return iter(self.dataset)
+        return self._seeded()
+
+    def _seeded(self) -> Iterator[Any]:
+        # Seeded when the first element is asked for, not when torch's fetcher calls iter():
+        # without workers that is inside the batch's RNGStateSwap, so the seeding goes to the
+        # loading states, not the training loop's.
+        info = get_worker_info()
+        worker_id = info.id if info is not None else 0
+        seed_rngs(sample_seed(self.seed, self.epoch.value, ("worker", worker_id)))
+        yield from self.dataset
 
 
 class RNGStateSwap:

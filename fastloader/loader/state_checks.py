@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from fastloader.sampling.mix_state import check_mix_state
+
 __all__ = ["MAX_MESSAGE", "validate_state"]
 
 #: The longest message :func:`validate_state` raises.
@@ -123,6 +125,7 @@ _TOP_LEVEL = {
     "unit": _text(("samples", "batches")),
     "batch_size": _int(1, _BATCH_MAX, none=True),
     "order": None,  # checked field by field with _ORDER
+    "mix": None,  # a Mix's: checked by sampling/mix_state.py check_mix_state
 }
 _ORDER = {
     "sampler": _text(none=True),
@@ -137,7 +140,8 @@ _ORDER = {
     "sampler_seed": _int(-_I64, _U64 - 1, none=True),
     "in_order": _bool(),
 }
-_OPTIONAL = {"in_order"}  # states written before in_order was recorded lack it
+# states written before in_order was recorded lack it; only a loader over a Mix has mix
+_OPTIONAL = {"in_order", "mix"}
 
 
 def _check_fields(what: str, value: Any, fields: dict[str, Any]) -> None:
@@ -213,4 +217,6 @@ def validate_state(state: dict) -> None:
     _check_fields("state", state, _VERSION_1 if version == 1 else _TOP_LEVEL)
     if version == 2:
         _check_fields("order", state["order"], _ORDER)
+        if "mix" in state:
+            check_mix_state(state["mix"])
     _check_consistency(state)

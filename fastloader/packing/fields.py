@@ -10,7 +10,6 @@ does in a pack of (image, label).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +17,7 @@ import numpy as np
 from PIL import Image
 
 from fastloader.formats import RecordKind, decode_record, encode_record
+from fastloader.formats.bounded_json import dump_exact
 from fastloader.formats.fields import (
     FIELD_KINDS,
     IMAGE_ENCODED,
@@ -138,7 +138,12 @@ def _kind_of(value: Any, name: str) -> str:
 
 def _as_array(value: Any, name: str, index: int) -> np.ndarray:
     if is_tensor(value):
-        value = value.detach().cpu().numpy()
+        try:
+            value = value.detach().cpu().numpy()
+        except (TypeError, RuntimeError) as error:  # bfloat16, quantized...: no NumPy dtype
+            raise SampleSchemaError(
+                f"sample {index} field {name!r}: a tensor NumPy cannot hold ({error})"
+            ) from None
     if isinstance(value, (list, tuple)):
         value = np.asarray(value)
     if not isinstance(value, np.ndarray) or value.dtype.kind not in "biufc":
@@ -242,10 +247,28 @@ def _encode_value(field: dict, value: Any, index: int) -> bytes:
         raise SampleSchemaError(f"{where}: {value} does not fit in 64 bits")
     if kind == "json":
         try:
-            encoded = json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
-        except (TypeError, ValueError) as error:
-            raise SampleSchemaError(f"{where}: not JSON-able ({error})") from None
+            encoded = dump_exact(value)  # what reads back equal, or refused
+        except ValueError as error:
+            raise SampleSchemaError(f"{where}: {error}") from None
         if len(encoded) > MAX_JSON_BYTES:
             raise SampleSchemaError(f"{where}: {len(encoded)} bytes of JSON (at most 1 MiB)")
         return encoded
-    return encode_scalar(kind, float(value) if kind == "float" else value)
+    if kind == "float":
+        return encode_scalar(kind, _exact_float(value, where))
+    return encode_scalar(kind, value)
+
+
+def _exact_float(value: int | float, where: str) -> float:
+    """``value`` as the float64 that reads back equal to it, or SampleSchemaError."""
+    try:
+        stored = float(value)
+    except OverflowError:
+        bits = value.bit_length() if isinstance(value, int) else "?"
+        raise SampleSchemaError(
+            f"{where}: an int of {bits} bits is too large for a float64 field"
+        ) from None
+    if isinstance(value, int) and stored != value:
+        raise SampleSchemaError(
+            f"{where}: the int {value} has no exact float64 (it would read back as {stored!r})"
+        )
+    return stored

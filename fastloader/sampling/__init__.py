@@ -2,7 +2,12 @@
 
 ``seeds.py`` (the pure seed derivations every order and every sample's RNGs start from),
 ``samplers.py`` (shuffles and block shuffles by (seed, epoch)), ``distributed.py``
-(NOTE [ Global order ]: one global order cut across ranks, exactly-once evaluation).
+(NOTE [ Global order ]: one global order cut across ranks, exactly-once evaluation), and
+weighted mixing of named sources: ``mix.py`` (``Mix``, the dataset, and NOTE [ Weight
+changes ]), ``mix_order.py`` (NOTE [ The mixed order as a pure function ]), ``interleave.py``
+(NOTE [ The interleave ]), ``permutation.py`` (NOTE [ Permutations on the fly ]),
+``mix_samplers.py`` (the mix cut into epochs and across ranks) and ``mix_state.py`` (NOTE
+[ Resuming a mix whose sources changed ]).
 
 May import: torch, NumPy, and nothing of fastloader outside ``sampling/``.
 """

@@ -54,6 +54,17 @@ def epoch_permutation(seed: int, epoch: int, n: int) -> torch.Tensor:
     return torch.randperm(n, generator=epoch_generator(seed, epoch))
 
 
+def checked_seed(seed: Any) -> int:
+    """``seed`` as an int, checked when a sampler is built rather than when it is iterated.
+
+    Raises:
+        TypeError: for anything but an int (NumPy integers included; not bool).
+    """
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}: {seed!r}")
+    return int(seed)
+
+
 def epoch_generator(seed: int, epoch: int) -> torch.Generator:
     """A torch generator seeded from ``(seed, epoch)``: where every epoch's order is drawn."""
     generator = torch.Generator()
@@ -73,6 +84,9 @@ class EpochShuffleSampler(RandomSampler):
         seed: the loader's seed.
         replacement: sample with replacement, as in RandomSampler.
         num_samples: number of samples per epoch, as in RandomSampler.
+
+    Raises:
+        TypeError: for a ``seed`` that is not an int.
     """
 
     def __init__(
@@ -83,7 +97,7 @@ class EpochShuffleSampler(RandomSampler):
         num_samples: int | None = None,
     ) -> None:
         super().__init__(data_source, replacement=replacement, num_samples=num_samples)
-        self.seed = seed
+        self.seed = checked_seed(seed)
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -146,6 +160,7 @@ class BlockShuffleSampler(Sampler[int]):
 
     Raises:
         ValueError: for a ``block_size`` or ``window`` below 1.
+        TypeError: for a ``seed`` that is not an int.
     """
 
     def __init__(self, data_source: Sized, seed: int, block_size: int = 64, window: int = 8):
@@ -153,7 +168,7 @@ class BlockShuffleSampler(Sampler[int]):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.data_source = data_source
-        self.seed = seed
+        self.seed = checked_seed(seed)
         self.block_size = block_size
         self.window = window
         self.epoch = 0

@@ -33,6 +33,8 @@ class EpochStats:
         device_wait_s: the part of ``wait_s`` after the first batch spent on the device copy.
         workers: worker processes loading the epoch (0: the training process loads); None
             when unknown (``timed_iter``).
+        source_counts: for a ``fastloader.Mix``, a callable giving ``sources`` (None
+            otherwise).
         io_note: set when the loading processes read from storage rather than the page cache
             (``_io_probe.io_verdict``): input-bound on I/O, with what to do.
         worker_busy_s: seconds the workers spent loading samples during the epoch, summed over
@@ -59,6 +61,8 @@ class EpochStats:
     _busy_at_start: float = dataclasses.field(default=0.0, repr=False)
     _pids: tuple = dataclasses.field(default=(), repr=False)  # who loads: for _io_probe
     _io_before: Any = dataclasses.field(default=None, repr=False)
+    # a Mix's samples per source delivered in this epoch, computed when asked (loader/mixing.py)
+    source_counts: Any = dataclasses.field(default=None, repr=False)
     _ended_at: float | None = dataclasses.field(default=None, repr=False)
 
     @property
@@ -160,7 +164,25 @@ class EpochStats:
         busy = self.worker_busy_fraction
         if busy is not None:
             details.append(f"{self.workers} workers busy {100 * busy:.0f}%")
+        shares = self.source_shares
+        if shares:
+            details.append("sources " + " ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items()))
         return f"{line}; next step: {self.next_step()}; " + ", ".join(details)
+
+    @property
+    def sources(self) -> dict[str, int] | None:
+        """For a ``fastloader.Mix``: samples of each source in the batches handed out this
+        epoch, over all ranks with ``distributed=True`` (the global order's); else None."""
+        return None if self.source_counts is None else self.source_counts(self)
+
+    @property
+    def source_shares(self) -> dict[str, float] | None:
+        """``sources`` as fractions of the epoch's samples (the realised proportions)."""
+        counts = self.sources
+        if not counts:
+            return None
+        total = sum(counts.values()) or 1
+        return {name: count / total for name, count in counts.items()}
 
     def as_dict(self) -> dict[str, Any]:
         """The fields and derived numbers as a JSON-able dict (NaN becomes None)."""
@@ -188,4 +210,5 @@ class EpochStats:
             "samples_per_s": self.samples_per_s,
             "input_bound": self.input_bound,
             "next_step": self.next_step(),
+            "sources": self.sources,
         }

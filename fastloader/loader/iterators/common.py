@@ -65,7 +65,7 @@ class SeededDatasetMixin:
     """Swaps in the seeded dataset wrapper where torch's iterator stores the dataset."""
 
     _seed: int  # the loader's seed when this iterator (and its workers) started
-    _seeding: dict = {}  # seeding_options(loader) (NOTE [ Lazy seeding ] in loader/seeding.py)
+    _seeding: dict = {}  # seeding_options(loader) (NOTE [ Lazy seeding ] in loader/lazy_seeding.py)
     busy_seconds: Any = None  # per worker, seconds loading (NOTE [ The diagnosis ])
     _cursor: Any  # the loader's EpochCursor (NOTE [ The epoch cursor ] in loader/cursor.py)
     _shared_epoch: Any
