@@ -24,6 +24,8 @@ rows, ratios and notes (see ``report.py`` for the shape):
   workers), and the mixed order's own costs (mapping, a far resume, state, memory).
 - ``any_sample``: a user's pose-style HDF5 file read in place by ``HDF5Dataset`` vs a
   hand-written h5py Dataset (and, with mosaicml-streaming, a pack of fields vs MDS).
+- ``transport``: batches from workers to the main process (pose HDF5 fields, token windows,
+  an index, decoded images) with 0, 1 and 2 workers, and the main process's CPU per batch.
 
 The data is made at run time from the photos scikit-image ships (``_photos.py``).
 """
@@ -45,6 +47,7 @@ COMPARISONS = {
     "oom": False,
     "any_sample": False,
     "mix": False,
+    "transport": False,
 }
 DEMO = tuple(name for name, in_demo in COMPARISONS.items() if in_demo)
 SIZES = ("tiny", "quick", "full")

@@ -52,8 +52,9 @@ EXPECTED_SECONDS = {
         "memory": 10,
         "cli_startup": 15,
         "mix": 20,
+        "transport": 20,
     },
-    "quick": {"pipeline": 45, "loader": 35, "cheap": 120},
+    "quick": {"pipeline": 45, "loader": 35, "cheap": 120, "transport": 110},
     "full": {
         "cheap": 300,
         "loader": 95,
@@ -62,6 +63,7 @@ EXPECTED_SECONDS = {
         "memory": 35,
         "cli_startup": 120,
         "mix": 150,
+        "transport": 400,
     },
 }
 

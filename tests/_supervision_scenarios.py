@@ -171,7 +171,9 @@ def poison():
 
 def unrestorable():
     """Workers that die at start-up: every epoch raises, none is empty or short."""
-    loader = DataLoader(range(8), batch_size=2, num_workers=2, worker_init_fn=_die_if_marked)
+    # more batches than the pool prefetches: batches already in shared-memory slots when the
+    # workers are killed stay valid (NOTE [ Batch transport ]), the rest need new workers
+    loader = DataLoader(range(16), batch_size=2, num_workers=2, worker_init_fn=_die_if_marked)
     outcomes = [len(list(loader))]
     os.environ["FASTLOADER_TEST_DIE"] = "1"  # replacements now die as they start
     for pid in loader.worker_pids:

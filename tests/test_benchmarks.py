@@ -132,3 +132,21 @@ def test_tables_render_ratios_and_missing_cells() -> None:
         }
     )
     assert "b_vs_a: 0.50x" in report
+
+
+def test_transport_comparison_runs_tiny(tmp_path: Path) -> None:
+    from benchmarks import transport
+
+    result = transport.run("tiny", tmp_path)
+    kinds = {(row["data"], row["num_workers"]) for row in result["rows"]}
+    assert kinds == {
+        (kind, workers)
+        for kind in ("pose64", "pose256", "tokens", "index", "images")
+        for workers in (0, 1, 2)
+    }
+    for row in result["rows"]:
+        assert row["fastloader_main_cpu_ms_per_batch"] >= 0
+        assert row["vs_torch"] > 0 and math.isfinite(row["vs_torch"])
+        if row["num_workers"]:
+            assert row["vs_fastloader_pickled"] > 0
+    assert result["ratios"]["pose64_2w_vs_fastloader_0w"] > 0

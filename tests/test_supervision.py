@@ -95,7 +95,7 @@ def test_a_sample_that_kills_its_worker_three_times_raises_naming_epoch_and_indi
 
 def test_workers_that_cannot_be_restored_make_every_epoch_raise():
     outcomes = _run("unrestorable")["outcomes"]
-    assert outcomes[0] == 4
+    assert outcomes[0] == 8
     assert len(outcomes) == 3
     for outcome in outcomes[1:]:
         assert isinstance(outcome, str) and outcome.startswith("WorkersLostError"), outcome

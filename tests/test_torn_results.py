@@ -122,3 +122,122 @@ def test_an_unsupervised_pool_raises_torchs_error_instead_of_hanging(tmp_path):
     run = _run(tmp_path, "iterable")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "RAISED" in run.stdout and "exited unexpectedly" in run.stdout, run.stdout
+
+
+_KILLED_MID_WRITE = textwrap.dedent(
+    """
+    import os, signal, sys, time, warnings
+
+    import torch
+    from torch.utils.data import Dataset
+
+    import fastloader
+
+    WORKERS = int(sys.argv[1])
+    IMAGE = 786_432  # bytes: a 512x512x3 image packed raw, read as bytes
+
+
+    class RawImages(Dataset):  # bytes through the pipe, labels as tensors (shared by fd)
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, index):
+            return bytes([index % 251]) * IMAGE, torch.tensor(index)
+
+
+    loader = fastloader.DataLoader(
+        RawImages(), batch_size=16, num_workers=WORKERS, timeout=10, seed=0
+    )
+    labels = []
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        for step, (images, batch_labels) in enumerate(loader):
+            assert all(len(image) == IMAGE for image in images)
+            labels += batch_labels.tolist()
+            if step == 0:
+                time.sleep(0.5)  # the workers' next 12 MB batch fills the pipe and blocks
+                os.kill(loader._iterator.worker_pids[0], signal.SIGKILL)
+            time.sleep(0.2)
+    assert labels == list(range(64)), labels
+    print("WHOLE EPOCH")
+    """
+)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="SIGKILL and Linux pipes")
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_worker_killed_while_writing_a_large_batch_never_hangs_the_loop(tmp_path, workers):
+    # issue 27: the resource sharer thread's small messages lowered the writer's mark
+    script = tmp_path / "killed_mid_write.py"
+    script.write_text(_KILLED_MID_WRITE)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    run = subprocess.run(
+        [sys.executable, str(script), str(workers)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "WHOLE EPOCH" in run.stdout
+
+
+_STALLS_MID_WRITE = textwrap.dedent(
+    """
+    import os, sys, time
+    from multiprocessing.connection import Connection
+
+    from torch.utils.data import Dataset
+
+    import fastloader
+
+    SIZE = 300_000  # bytes: travels through the pipe in many writes
+
+
+    def stall_halfway_through_the_next_big_write():
+        send = Connection._send
+
+        def stalled_send(self, buf, *args):
+            if len(buf) >= SIZE:
+                send(self, bytes(memoryview(buf)[: len(buf) // 2]))
+                time.sleep(3600)  # alive, never finishing the message
+            return send(self, buf, *args)
+
+        Connection._send = stalled_send
+
+
+    class Bytes(Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, index):
+            if index == 3:
+                stall_halfway_through_the_next_big_write()
+            return bytes([index]) * SIZE
+
+
+    loader = fastloader.DataLoader(
+        Bytes(), batch_size=1, num_workers=1, collate_fn=lambda b: b[0], timeout=3
+    )
+    started = time.monotonic()
+    try:
+        list(loader)
+    except RuntimeError as error:
+        print("TIMED OUT", round(time.monotonic() - started), str(error)[:200])
+    os._exit(0)  # the stalled worker is killed with this process
+    """
+)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the stalled write is staged with Linux pipes")
+def test_timeout_fires_while_a_live_worker_leaves_a_message_half_written(tmp_path):
+    script = tmp_path / "stalls_mid_write.py"
+    script.write_text(_STALLS_MID_WRITE)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "TIMED OUT" in run.stdout, run.stdout

@@ -10,18 +10,24 @@ OOM killer, a segfault in another thread) leaves part of a message in the pipe, 
 runs while the main process is blocked inside it.
 
 Writers take the queue's write lock around each message, so at most one message is being
-written at a time. Each worker raises its flag in a shared array while it writes a message
-(``mark_writes``, installed in every worker at start-up), and the main process reads messages
-with ``read_message`` (``guard_reads``), which never blocks for long: while a message is
-incomplete it waits in short polls, and when no byte comes and the worker whose flag is up is
-dead, the writer of this message is that worker (no one else could write while it held the
-lock), so the partial message is dropped and the read answers "nothing yet" (``queue.Empty``).
-The pipe is then at the start of the next message. torch's own death check then finds the
-dead worker, and supervision replaces it and re-sends its tasks (NOTE [ Supervised workers ]
-in loader/supervision.py); without supervision, torch's "worker exited unexpectedly" error
-is raised.
-The dead worker's flag is lowered when its replacement starts, after its write lock was
-released (``release_orphaned_write_lock``).
+written at a time. Each worker counts in a shared array the messages its queue feeder thread is
+writing (``mark_writes``, installed in every worker at start-up). A count, not a flag, and
+only the feeder's sends: a worker's ``multiprocessing.resource_sharer`` thread sends small
+messages of its own (answering for a tensor's file descriptor) while the feeder writes a large
+result, and a flag it lowered on the way out hid the feeder's write (a worker killed then hung
+the loop forever). The main process reads messages with a ``GuardedReader`` (``guard_reads``),
+which never blocks for long: while a message is incomplete it waits in short polls, and when
+no byte comes and a worker whose count is up is dead, the writer of this message is that
+worker (no one else could write while it held the lock), so the partial message is dropped and
+the read answers "nothing yet" (``queue.Empty``). The pipe is then at the start of the next
+message. A message from a live writer that stays incomplete for ``PATIENCE_S`` is kept and the
+read answers ``queue.Empty`` too, so ``timeout=`` and the death checks run; the next read goes
+on with it. torch's own death check then finds the dead worker, and supervision replaces it
+and re-sends its tasks (NOTE [ Supervised workers ] in loader/supervision.py); without
+supervision, torch's "worker exited unexpectedly" error is raised. Before a replacement
+starts, the pool asks the reader to drop a partial message of the dead writer
+(``drop_torn``), then clears the dead worker's count, after its write lock was released
+(``release_orphaned_write_lock``).
 """
 
 from __future__ import annotations
@@ -30,84 +36,137 @@ import os
 import queue
 import select
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
 POLL_S = 0.05  # how long a read waits for more bytes before checking for a dead writer
+PATIENCE_S = 0.5  # how long one read waits on an incomplete message before answering Empty
+_FEEDER = "QueueFeederThread"  # multiprocessing's name for the thread that writes a queue
 
 
 def mark_writes(writing: Any, slot: int) -> None:
-    """In a worker: raise ``writing[slot]`` while this process writes any message to a pipe.
+    """In a worker: count in ``writing[slot]`` the messages this process is writing to a
+    queue's pipe (its result queue).
 
     Patches ``Connection._send_bytes`` (looked up on each send, also by the queue's feeder
-    thread) in this worker process only. See NOTE [ Torn results ].
+    thread) in this worker process only. Only sends from a queue's feeder thread count: other
+    threads' messages (``multiprocessing.resource_sharer`` answering for a tensor's file
+    descriptor) go to other pipes, and a count, not a flag, so no sender can lower another's
+    mark. See NOTE [ Torn results ].
     """
     original = Connection._send_bytes
+    lock = threading.Lock()
 
     def send_bytes_marked(self: Connection, buf: Any) -> None:
-        writing[slot] = 1
+        if threading.current_thread().name != _FEEDER:
+            original(self, buf)
+            return
+        with lock:
+            writing[slot] += 1
         try:
             original(self, buf)
         finally:
-            writing[slot] = 0
+            with lock:
+                writing[slot] -= 1
 
     Connection._send_bytes = send_bytes_marked  # type: ignore[method-assign]
 
 
-def guard_reads(result_queue: Any, writing: Any, workers: Sequence[Any]) -> None:
-    """In the main process: read ``result_queue``'s messages with ``read_message``.
+def guard_reads(result_queue: Any, writing: Any, workers: Sequence[Any]) -> GuardedReader:
+    """In the main process: read ``result_queue``'s messages with a ``GuardedReader``.
 
     Args:
         result_queue: the pool's multiprocessing result queue.
-        writing: the shared flags that ``mark_writes`` raises, one per worker slot.
+        writing: the shared counts that ``mark_writes`` raises, one per worker slot.
         workers: the pool's list of worker processes (updated in place as they are replaced).
+
+    Returns:
+        The reader, whose ``drop_torn`` the pool calls before it replaces a dead worker.
     """
 
     def torn_writer_died() -> bool:
-        for slot, flag in enumerate(writing):
-            if flag and slot < len(workers) and not workers[slot].is_alive():
+        for slot, count in enumerate(writing):
+            if count > 0 and slot < len(workers) and not workers[slot].is_alive():
                 return True
         return False
 
-    reader = result_queue._reader
-    poller = select.poll()  # made once: this runs for every result
-    poller.register(reader.fileno(), select.POLLIN | select.POLLHUP)
-
-    def recv_bytes() -> bytes | bytearray:
-        return read_message(reader, torn_writer_died, poller)
-
-    result_queue._recv_bytes = recv_bytes
+    reader = GuardedReader(result_queue._reader, torn_writer_died)
+    result_queue._recv_bytes = reader
+    reader.lock = result_queue._rlock
+    return reader
 
 
-def read_message(
-    reader: Connection, writer_died: Callable[[], bool], poller: Any
-) -> bytes | bytearray:
-    """Read one message as ``Connection.recv_bytes`` does; raise ``queue.Empty`` (having
-    dropped its bytes) when it stays incomplete and ``writer_died()``. ``poller`` is a
-    ``select.poll`` object with ``reader`` registered."""
-    (size,) = struct.unpack("!i", _read_exactly(reader, 4, writer_died, poller))
-    if size == -1:
-        (size,) = struct.unpack("!Q", _read_exactly(reader, 8, writer_died, poller))
-    return _read_exactly(reader, size, writer_died, poller)
+class GuardedReader:
+    """Reads one message as ``Connection.recv_bytes`` does, but never blocks for long.
+
+    A message still incomplete after ``PATIENCE_S`` is kept and the read answers
+    ``queue.Empty`` (so the caller's death checks and ``timeout=`` run); the next call goes on
+    with it. When its writer is dead (``writer_died()``) the partial message is dropped and the
+    read answers ``queue.Empty``: the pipe is then at the start of the next message. See
+    NOTE [ Torn results ].
+    """
+
+    def __init__(self, reader: Connection, writer_died: Callable[[], bool]) -> None:
+        self._handle = reader.fileno()
+        self._writer_died = writer_died
+        self._poller = select.poll()  # made once: this runs for every result
+        self._poller.register(self._handle, select.POLLIN | select.POLLHUP)
+        self.lock: Any = None  # the queue's read lock, held around every read
+        self._expect(4, _LENGTH)
+
+    def _expect(self, size: int, stage: int) -> None:
+        self._buffer = bytearray(size)
+        self._received = 0
+        self._stage = stage
+
+    def __call__(self) -> bytearray:
+        deadline = time.monotonic() + PATIENCE_S
+        while True:
+            self._fill(deadline)
+            if self._stage == _LENGTH:
+                (size,) = struct.unpack("!i", self._buffer)
+                if size == -1:
+                    self._expect(8, _LONG_LENGTH)
+                else:
+                    self._expect(size, _BODY)
+            elif self._stage == _LONG_LENGTH:
+                self._expect(struct.unpack("!Q", self._buffer)[0], _BODY)
+            else:
+                message = self._buffer
+                self._expect(4, _LENGTH)
+                return message
+
+    def _fill(self, deadline: float) -> None:
+        view = memoryview(self._buffer)
+        while self._received < len(self._buffer):
+            if self._poller.poll(POLL_S * 1000):
+                count = os.readv(self._handle, [view[self._received :]])
+                if count == 0:
+                    started = self._stage == _LENGTH and self._received == 0
+                    raise EOFError if started else OSError("got end of file during message")
+                self._received += count
+            elif self._writer_died():
+                self._expect(4, _LENGTH)
+                raise queue.Empty  # see NOTE [ Torn results ]
+            elif time.monotonic() >= deadline:
+                raise queue.Empty  # the partial message is kept for the next call
+            else:
+                time.sleep(0)  # nothing yet from a live writer: keep waiting
+
+    def drop_torn(self) -> None:
+        """Drop a partial message whose writer is dead; the pool calls this before it
+        replaces a dead worker (which clears the dead worker's count)."""
+        if self.lock is not None and not self.lock.acquire(timeout=2 * PATIENCE_S + 1):
+            return  # a read in another thread (pin memory) holds it, and will drop it itself
+        try:
+            if (self._stage != _LENGTH or self._received) and self._writer_died():
+                self._expect(4, _LENGTH)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
 
-def _read_exactly(
-    reader: Connection, size: int, writer_died: Callable[[], bool], poller: Any
-) -> bytearray:
-    buffer = bytearray(size)
-    view = memoryview(buffer)
-    handle = reader.fileno()
-    received = 0
-    while received < size:
-        if poller.poll(POLL_S * 1000):
-            count = os.readv(handle, [view[received:]])
-            if count == 0:
-                raise EOFError if received == 0 else OSError("got end of file during message")
-            received += count
-        elif writer_died():
-            raise queue.Empty  # see NOTE [ Torn results ]
-        else:
-            time.sleep(0)  # nothing yet from a live writer: keep waiting
-    return buffer
+_LENGTH, _LONG_LENGTH, _BODY = 0, 1, 2  # what a GuardedReader is reading

@@ -26,9 +26,14 @@ _CHUNK = 1 << 16  # indices turned into Python ints at a time
 
 
 def _yield_from(order: np.ndarray, start: int = 0) -> Iterator[int]:
-    """The ints of ``order[start:]``, converted a chunk at a time (NOTE [ Compact epoch order ])."""
+    """The ints of ``order[start:]``, converted a chunk at a time (NOTE [ Compact epoch order ]).
+    Chained in C: no generator frame per index."""
+    return itertools.chain.from_iterable(_chunks(order, start))
+
+
+def _chunks(order: np.ndarray, start: int) -> Iterator[list[int]]:
     for at in range(start, len(order), _CHUNK):
-        yield from order[at : at + _CHUNK].tolist()
+        yield order[at : at + _CHUNK].tolist()
 
 
 def compact_permutation(n: int, generator: torch.Generator) -> np.ndarray:
@@ -111,17 +116,18 @@ class EpochShuffleSampler(RandomSampler):
         self.generator = epoch_generator(self.seed, self.epoch)
         if self.replacement:
             return itertools.islice(super().__iter__(), start, None)
-        return self._permutations_from(start, self.generator)
+        return itertools.chain.from_iterable(self._permutations_from(start, self.generator))
 
-    def _permutations_from(self, start: int, generator: torch.Generator) -> Iterator[int]:
+    def _permutations_from(self, start: int, generator: torch.Generator) -> Iterator[Any]:
         # As RandomSampler: num_samples // n whole permutations, then the head of one more.
+        # Yields iterators of ints (chained by the caller: no generator frame per index).
         n, total = len(self.data_source), self.num_samples
         drawn = 0
         while drawn < total:
             order = compact_permutation(n, generator)
             take = min(n, total - drawn)
             if start < drawn + take:
-                yield from _yield_from(order[:take], max(0, start - drawn))
+                yield _yield_from(order[:take], max(0, start - drawn))
             drawn += take
             del order  # one alive at a time
 

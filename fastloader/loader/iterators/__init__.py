@@ -5,10 +5,12 @@
 - ``worker_pool.py``: ``WorkerPoolIter``, worker processes kept across epochs, fed ahead
   (NOTE [ Cross-epoch prefetch ] in loader/schedule.py) and supervised (NOTE [ Supervised
   workers ] in loader/supervision.py);
+- ``slot_collate.py``: torch's ``default_collate`` stacking straight into a shared-memory slot
+  (runs in the workers; NOTE [ Batch transport ] in loader/transport/__init__.py);
 - ``torch_internals.py``: the list of what we rely on, checked against the installed torch.
 
 Everything here runs in the main process, except what torch's worker loop runs with the
-objects built here (the seeded dataset wrappers and ``WorkerInit``).
+objects built here (the seeded dataset wrappers, ``WorkerInit``, the slot collate).
 
 NOTE [ torch internals fastloader relies on ]
 
@@ -17,9 +19,13 @@ Every touch of torch's private DataLoader machinery is in this package. Tested w
 ``_SingleProcessDataLoaderIter`` and ``_MultiProcessingDataLoaderIter`` (so ``iter(loader)``
 is torch's iterator, ``_BaseDataLoaderIter``) and rely on:
 
-- ``_BaseDataLoaderIter.__init__`` assigning ``self._dataset`` and the multiprocessing
-  iterator reading ``self._worker_init_fn`` before it starts workers: both are properties here,
-  so workers receive the seeded wrapper and fastloader's init function;
+- ``_BaseDataLoaderIter.__init__`` assigning ``self._dataset`` and ``self._collate_fn`` and
+  the multiprocessing iterator reading ``self._worker_init_fn`` and ``self._collate_fn`` before
+  it starts workers: they are properties here, so workers receive the seeded wrapper,
+  fastloader's init function and the slot collate (NOTE [ Batch transport ]);
+- ``_utils.collate.collate`` with a ``collate_fn_map``, ``collate_tensor_fn``,
+  ``default_collate_fn_map`` and ``default_collate`` (the loader's default, recognised by
+  identity): the slot collate is torch's collate with the tensor rule replaced;
 - ``_BaseDataLoaderIter.__next__`` (profiler label, ``_num_yielded``), called around our
   bookkeeping;
 - ``_next_index()`` being the only place indices are drawn (``_try_put_index`` treats its

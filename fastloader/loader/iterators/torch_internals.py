@@ -65,6 +65,10 @@ CALLED: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch.utils.data._utils.worker", "WorkerInfo", None),
     ("torch.utils.data._utils.signal_handling", "_remove_worker_pids", None),
     ("torch.utils.data._utils", "MP_STATUS_CHECK_INTERVAL", None),
+    ("torch.utils.data._utils.collate", "collate", ("batch", "collate_fn_map")),
+    ("torch.utils.data._utils.collate", "collate_tensor_fn", ("batch", "collate_fn_map")),
+    ("torch.utils.data._utils.collate", "default_collate_fn_map", None),
+    ("torch.utils.data._utils.collate", "default_collate", None),
     ("torch.utils.data.dataloader", "DataLoader._index_sampler", None),
 )
 

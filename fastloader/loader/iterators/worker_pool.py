@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ from fastloader.loader.iterators.common import (
     order_is_predictable,
     schedule_for,
 )
+from fastloader.loader.iterators.slot_collate import into_slots
 from fastloader.loader.result_queue import guard_reads
 from fastloader.loader.seeding import Task, seeding_options
 from fastloader.loader.supervision import (
@@ -45,6 +47,9 @@ from fastloader.loader.supervision import (
     warn_never_started,
     warn_reseeded,
 )
+from fastloader.loader.transport import receive
+from fastloader.loader.transport.send import SlotCollate
+from fastloader.loader.transport.slots import SlotFile
 from fastloader.loader.worker_guard import WorkerInit, make_stack_folder
 
 
@@ -55,6 +60,7 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
     """
 
     supervise = True  # False turns supervision off (benchmarks/supervision.py measures it)
+    slots = True  # False sends batches torch's way (benchmarks/transport.py measures it)
 
     def __init__(self, loader: Any, epoch: int, skip: int = 0) -> None:
         self._seed = loader.seed
@@ -87,13 +93,19 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
         if loader.worker_init_fn is not None and "reseeded" not in loader._warned:
             self._reseeded = context.RawValue("b", 0)
         self._writing = context.RawArray("b", loader.num_workers)  # NOTE [ Torn results ]
+        self._slot_key = None  # NOTE [ Batch transport ]
+        if WorkerPoolIter.slots:
+            self._slot_key = receive.register(
+                [SlotFile.create() for _ in range(loader.num_workers)]
+            )
+            weakref.finalize(self, receive.unregister, self._slot_key)
         self._epoch = epoch
         self._delivered = skip
         self._epoch_done = False
         started = time.perf_counter()
         super().__init__(loader)
         self.startup_s = time.perf_counter() - started
-        guard_reads(self._worker_result_queue, self._writing, self._workers)
+        self._reads = guard_reads(self._worker_result_queue, self._writing, self._workers)
         if self._supervised:  # from when every worker has been started (not before forking)
             self._starting = dict.fromkeys(range(loader.num_workers), time.monotonic())
         self._bind(loader)
@@ -110,6 +122,19 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
             )
             user_fn.forked_from_main_thread = _in_main_thread()
         self.__dict__["_fastloader_worker_init"] = user_fn
+
+    @property
+    def _collate_fn(self) -> Any:
+        return self.__dict__["_fastloader_collate_fn"]
+
+    @_collate_fn.setter
+    def _collate_fn(self, collate_fn: Any) -> None:
+        # NOTE [ Batch transport ]: workers write batches into shared-memory slots
+        if self._slot_key is not None and not isinstance(collate_fn, SlotCollate):
+            collate_fn = into_slots(collate_fn)
+            fds = [slots.fd for slots in receive.slot_files(self._slot_key)]
+            collate_fn = SlotCollate(collate_fn, fds, self._slot_key)
+        self.__dict__["_fastloader_collate_fn"] = collate_fn
 
     @property
     def worker_pids(self) -> list[int]:
@@ -303,6 +328,8 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
             )
             return
         super()._shutdown_workers()
+        if self.__dict__.get("_slot_key") is not None:  # batches already out stay valid
+            receive.unregister(self._slot_key)
 
     def shutdown(self) -> None:
         """Stop the worker processes now."""
@@ -367,6 +394,7 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
                 self._broken = verdict.broken
                 raise WorkersLostError(self._broken)
             if not never_started:  # one that never ran cannot hold the lock: a live one does
+                self._reads.drop_torn()
                 release_orphaned_write_lock(self._worker_result_queue)
             try:
                 self._start_worker(slot)

@@ -1,0 +1,74 @@
+"""The loader's default collate stacking straight into a shared-memory slot.
+
+Runs in the workers. Uses torch's collate machinery (``_utils.collate.collate`` with a
+``collate_fn_map``; listed in NOTE [ torch internals fastloader relies on ]): every rule of
+``default_collate`` is torch's own, except that a list of plain CPU tensors, or of plain
+NumPy arrays, of one shape and dtype is left as a ``Stack`` for the transport to stack into
+the slot, instead of into a new shared-memory segment (NOTE [ Batch transport ]). A batch that
+does not collate is collated again by the loader's own default collate, for its error (which
+names ragged fields: NOTE [ Naming ragged fields ]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
+
+from fastloader.datasets.collate import default_collate as fastloader_default_collate
+from fastloader.loader.transport.send import Stack
+
+_PLAIN_KINDS = "biufc"  # NumPy dtype kinds torch takes as they are
+
+
+def _stack_later(batch: Any, *, collate_fn_map: Any = None) -> Any:
+    elem = batch[0]
+    if type(elem) is torch.Tensor and elem.layout == torch.strided and not elem.is_nested:
+        shape, dtype = elem.shape, elem.dtype
+        plain = elem.device.type == "cpu"
+        for tensor in batch:
+            if not plain:
+                break
+            plain = (
+                type(tensor) is torch.Tensor
+                and tensor.shape == shape
+                and tensor.dtype == dtype
+                and not tensor.requires_grad
+                and tensor.device.type == "cpu"
+            )
+        if plain:
+            return Stack(list(batch))
+    return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+
+
+def _stack_arrays_later(batch: Any, *, collate_fn_map: Any = None) -> Any:
+    elem = batch[0]
+    dtype, shape = elem.dtype, elem.shape
+    if dtype.kind in _PLAIN_KINDS and dtype.isnative:
+        for array in batch:
+            if type(array) is not np.ndarray or array.shape != shape or array.dtype != dtype:
+                break
+        else:
+            return Stack(list(batch), arrays=True)
+    return default_collate_fn_map[np.ndarray](batch, collate_fn_map=collate_fn_map)
+
+
+_MAP = {**default_collate_fn_map, torch.Tensor: _stack_later, np.ndarray: _stack_arrays_later}
+DEFAULTS = (torch.utils.data.default_collate, fastloader_default_collate)
+
+
+def default_collate_into_slots(batch: Any) -> Any:
+    """``default_collate(batch)``, its stacked tensors left as ``Stack`` placeholders."""
+    try:
+        return collate(batch, collate_fn_map=_MAP)
+    except (RuntimeError, TypeError):
+        return fastloader_default_collate(batch)  # its error, naming ragged fields
+
+
+def into_slots(collate_fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """The collate function workers run before the transport: the default collate (torch's or
+    fastloader's) stacks straight into the slot; a user's own runs as it is."""
+    return default_collate_into_slots if collate_fn in DEFAULTS else collate_fn

@@ -1,0 +1,111 @@
+"""In the main process: a batch rebuilt from its slot as tensors that point into it.
+
+See NOTE [ Batch transport ] in ``__init__.py``. ``rebuild`` runs when a ``SlotBatch``
+descriptor is unpickled (by the result queue's reader, or torch's pin-memory thread): it maps
+the region (once per region), wraps it in one buffer object per batch whose finalizer frees
+the row, and makes each array leaf a view of it. No byte of the batch is copied here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastloader.loader.transport.slots import SlotFile
+
+_registry: dict[int, list[SlotFile]] = {}  # key -> the slot files of one worker pool
+_keys = itertools.count(1)
+_lock = threading.Lock()
+
+
+def register(files: list[SlotFile]) -> int:
+    """Make a pool's slot files known to ``rebuild``; returns their key."""
+    with _lock:
+        key = next(_keys)
+        _registry[key] = files
+    return key
+
+
+def slot_files(key: int) -> list[SlotFile]:
+    """The slot files registered under ``key``."""
+    return _registry[key]
+
+
+def unregister(key: int) -> None:
+    """Forget a pool's slot files (its workers are gone); batches already out stay valid."""
+    with _lock:
+        files = _registry.pop(key, [])
+    for slots in files:
+        slots.close()
+
+
+def rebuild(
+    key: int, worker: int, row: int, offset: int, capacity: int, layout: tuple, skeleton: Any
+) -> Any:
+    """The batch a worker wrote into ``row`` of its slot file, as views of the region."""
+    files = _registry.get(key)
+    if files is None:
+        raise RuntimeError("fastloader: a batch from a DataLoader whose workers were shut down")
+    slots = files[worker]
+    region = slots.region(row, offset, capacity)
+    used = max(1, max((entry[3] + entry[4] for entry in layout), default=1))
+    owner = (ctypes.c_ubyte * used).from_buffer(region)
+    # NOTE [ Batch transport ]: slot lifetime. Only this process frees the row: a forked
+    # child's copy of the batch dying says nothing about this process's.
+    weakref.finalize(owner, _free, slots, row, os.getpid()).atexit = False
+    arrays = [_view(owner, entry) for entry in layout]
+    return _fill(skeleton, arrays)
+
+
+def _free(slots: SlotFile, row: int, pid: int) -> None:
+    if os.getpid() == pid:
+        slots.free(row)
+
+
+def _view(owner: Any, entry: tuple) -> Any:
+    kind, dtype, shape, offset, nbytes = entry
+    if kind == "n":
+        count = nbytes // dtype.itemsize if dtype.itemsize else 0
+        return np.frombuffer(owner, dtype=dtype, count=count, offset=offset).reshape(shape)
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    count = nbytes // dtype.itemsize
+    return torch.frombuffer(owner, dtype=dtype, count=count, offset=offset).view(shape)
+
+
+SCALARS = frozenset((str, bytes, int, float, bool, type(None)))
+
+
+class Leaf:
+    """Where an array leaf of the batch sits in the skeleton: its index in the layout."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __reduce__(self) -> tuple:
+        return (Leaf, (self.index,))
+
+
+def _fill(value: Any, arrays: list[Any]) -> Any:
+    kind = type(value)
+    if kind is Leaf:
+        return arrays[value.index]
+    if kind is list or kind is tuple:
+        if value and type(value[0]) in SCALARS and all(type(v) in SCALARS for v in value):
+            return value  # strings, numbers: no leaf inside
+        items = [_fill(item, arrays) for item in value]
+        return items if kind is list else tuple(items)
+    if kind is dict:
+        return {key: _fill(item, arrays) for key, item in value.items()}
+    if isinstance(value, tuple) and hasattr(kind, "_fields"):
+        return kind(*(_fill(item, arrays) for item in value))
+    return value

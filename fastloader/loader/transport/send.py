@@ -1,0 +1,240 @@
+"""In the worker: a batch written into a shared-memory slot, sent as a small descriptor.
+
+See NOTE [ Batch transport ] in ``__init__.py``. ``SlotCollate`` wraps the loader's collate
+function in every worker: it collates, writes every array leaf (tensors, NumPy arrays) into a
+free region of this worker's slot file, marks the region READY (the commit) and returns a
+``SlotBatch``, whose pickle is the region's row and the layout; everything that is not an
+array (strings, numbers in lists, user objects) stays in a small skeleton pickled as usual.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import get_worker_info
+
+from fastloader.loader.transport import receive
+from fastloader.loader.transport.receive import SCALARS, Leaf
+from fastloader.loader.transport.slots import (
+    FREE,
+    READY,
+    SlotFile,
+    acquire,
+    reclaim_torn,
+    reduce_fd,
+    restore_fd,
+)
+
+ALIGN = 64  # bytes: every leaf starts on a cache line (and on any dtype's alignment)
+
+
+class Stack:
+    """Samples to be stacked into one tensor, straight into the slot (made by the collate
+    hook in the iterators for the loader's default collate; never leaves the worker).
+    ``samples`` are plain CPU tensors, or NumPy arrays (``arrays=True``) of one shape and
+    dtype, which arrive as a tensor, as with ``default_collate``."""
+
+    __slots__ = ("samples", "arrays", "dtype")
+
+    def __init__(self, samples: list[Any], arrays: bool = False) -> None:
+        self.samples = samples
+        self.arrays = arrays
+        self.dtype = torch_dtype(samples[0].dtype) if arrays else samples[0].dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.samples), *self.samples[0].shape)
+
+    def nbytes(self) -> int:
+        return self.samples[0].nbytes * len(self.samples)
+
+    def write(self, target: torch.Tensor) -> None:
+        if self.arrays:
+            np.stack(self.samples, out=target.numpy(), casting="no")
+        else:
+            torch.stack(self.samples, out=target)
+
+    def materialize(self) -> torch.Tensor:
+        if self.arrays:
+            return torch.from_numpy(np.stack(self.samples))
+        return torch.stack(self.samples)
+
+    def __reduce__(self) -> tuple:
+        # one left inside a container the transport does not walk: sent the old way
+        return (_same, (self.materialize(),))
+
+
+_TORCH_DTYPES: dict[np.dtype, torch.dtype] = {}
+
+
+def torch_dtype(dtype: np.dtype) -> torch.dtype:
+    """The torch dtype of a NumPy dtype (as ``torch.from_numpy`` gives it)."""
+    found = _TORCH_DTYPES.get(dtype)
+    if found is None:
+        found = _TORCH_DTYPES[dtype] = torch.from_numpy(np.empty(0, dtype)).dtype
+    return found
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+class SlotCollate:
+    """The loader's collate function, then the batch into this worker's slot file.
+
+    Args:
+        collate_fn: what collates a list of samples (the user's, or the default one that
+            leaves ``Stack`` placeholders).
+        fds: one slot file descriptor per worker slot.
+        key: the main process's key for these slot files (``receive.register``).
+    """
+
+    def __init__(self, collate_fn: Callable[[Any], Any], fds: list[int], key: int) -> None:
+        self.collate_fn = collate_fn
+        self.fds = fds
+        self.key = key
+        self._slots: SlotFile | None = None
+        self._worker = -1
+
+    def __getstate__(self) -> dict:
+        return {
+            "collate_fn": self.collate_fn,
+            "fds": [reduce_fd(fd) for fd in self.fds],
+            "key": self.key,
+        }
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["collate_fn"], [restore_fd(fd) for fd in state["fds"]], state["key"])
+
+    def __call__(self, batch: Any) -> Any:
+        out = self.collate_fn(batch)
+        leaves: list[Any] = []
+        skeleton = _flatten(out, leaves)
+        if not leaves:
+            return out
+        slots = self._my_slots()
+        if slots is None:
+            return _materialized(out)
+        layout, size = _layout(leaves)
+        row = acquire(slots, size)
+        if row is None:  # every region is held (a user keeps many batches): the old way
+            return _materialized(out)
+        offset, capacity = int(slots.table[row, 1]), int(slots.table[row, 2])
+        try:
+            _write(slots.region(row, offset, capacity), leaves, layout)
+        except BaseException:
+            slots.table[row, 0] = FREE  # nothing was sent: the row is this worker's again
+            raise
+        slots.table[row, 0] = READY  # the commit: only now can a descriptor be sent
+        return SlotBatch(self.key, self._worker, row, offset, capacity, layout, skeleton)
+
+    def _my_slots(self) -> SlotFile | None:
+        if self._slots is None:
+            info = get_worker_info()
+            if info is None or info.id >= len(self.fds):
+                return None
+            self._worker = info.id
+            self._slots = SlotFile(self.fds[info.id])
+            reclaim_torn(self._slots)  # this process replaces a dead worker, or starts
+        return self._slots
+
+
+class SlotBatch:
+    """A batch in a slot, as it crosses the pipe: row, layout and the non-array skeleton.
+    Unpickled in the main process, it becomes the batch (``receive.rebuild``)."""
+
+    __slots__ = ("args",)
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+    def __reduce__(self) -> tuple:
+        return (receive.rebuild, self.args)
+
+
+def _flatten(value: Any, leaves: list[Any]) -> Any:
+    """``value`` with each array leaf replaced by a ``Leaf`` (appended to ``leaves``)."""
+    kind = type(value)
+    if kind is torch.Tensor:
+        if value.layout != torch.strided or value.device.type != "cpu" or _special(value):
+            return value
+        leaves.append(value)
+        return Leaf(len(leaves) - 1)
+    if kind is Stack or (kind is np.ndarray and not value.dtype.hasobject):
+        leaves.append(value)
+        return Leaf(len(leaves) - 1)
+    if kind is list or kind is tuple:
+        if value and type(value[0]) in SCALARS and all(type(v) in SCALARS for v in value):
+            return value  # strings, numbers: pickled as they are
+        items = [_flatten(item, leaves) for item in value]
+        return items if kind is list else tuple(items)
+    if kind is dict:
+        return {key: _flatten(item, leaves) for key, item in value.items()}
+    if isinstance(value, tuple) and hasattr(kind, "_fields"):  # a namedtuple
+        return kind(*(_flatten(item, leaves) for item in value))
+    return value
+
+
+def _special(tensor: torch.Tensor) -> bool:
+    # what a plain copy of the bytes would lose: keep those on torch's own path
+    return (
+        tensor.is_nested
+        or tensor.requires_grad
+        or tensor.is_conj()
+        or tensor.is_neg()
+        or tensor.is_quantized
+        or any(name is not None for name in getattr(tensor, "names", ()))
+    )
+
+
+def _layout(leaves: list[Any]) -> tuple[tuple, int]:
+    """(kind, dtype, shape, offset, nbytes) per leaf, and the bytes they take together."""
+    layout = []
+    offset = 0
+    for leaf in leaves:
+        if type(leaf) is np.ndarray:
+            entry = ("n", leaf.dtype, leaf.shape, offset, leaf.nbytes)
+        else:
+            entry = ("t", leaf.dtype, tuple(leaf.shape), offset, _nbytes(leaf))
+        layout.append(entry)
+        offset += -(-entry[4] // ALIGN) * ALIGN
+    return tuple(layout), max(offset, 1)
+
+
+def _nbytes(leaf: Any) -> int:
+    return leaf.nbytes() if type(leaf) is Stack else leaf.numel() * leaf.element_size()
+
+
+def _write(region: Any, leaves: list[Any], layout: tuple) -> None:
+    for leaf, (kind, dtype, shape, offset, nbytes) in zip(leaves, layout, strict=True):
+        if nbytes == 0:
+            continue
+        if kind == "n":
+            target = np.frombuffer(region, dtype=dtype, count=leaf.size, offset=offset)
+            np.copyto(target.reshape(shape), leaf, casting="no")
+            continue
+        count = nbytes // dtype.itemsize
+        target = torch.frombuffer(region, dtype=dtype, count=count, offset=offset).view(shape)
+        if type(leaf) is Stack:
+            leaf.write(target)
+        else:
+            target.copy_(leaf)
+
+
+def _materialized(value: Any) -> Any:
+    """``value`` with ``Stack`` placeholders stacked (the batch sent the old way)."""
+    kind = type(value)
+    if kind is Stack:
+        return value.materialize()
+    if kind is list:
+        return [_materialized(item) for item in value]
+    if kind is tuple:
+        return tuple(_materialized(item) for item in value)
+    if kind is dict:
+        return {key: _materialized(item) for key, item in value.items()}
+    if isinstance(value, tuple) and hasattr(kind, "_fields"):
+        return kind(*(_materialized(item) for item in value))
+    return value
