@@ -31,15 +31,17 @@ _CHUNK = 16  # items per message to a worker: IPC stays cheap, memory in flight 
 # one image of a pack that lists it; the loader blames a whole task (a batch of samples) and
 # its verdict ends training, so it gives a death under memory pressure one more chance.
 _DEATHS = 2
+_IDLE = -1  # a worker's current item while it is between items (and before its first)
 
 # NOTE [ Per-image limits when packing ]
 # One hostile image must cost one skip line, never the run (nor the machine):
 # * pixels: the header is read first (fastloader/vision/image_limits.py) and an image over PIL's
 #   limit (Image.MAX_IMAGE_PIXELS, doubled as PIL does for its DecompressionBombError) is
 #   skipped before any decoder allocates, in every process, with any number of workers;
-# * time: each worker writes the index of the item it starts into a shared integer, so the
-#   main process knows which item each worker is on and since when (results may wait in the
-#   worker while the main process writes, so they cannot tell). An item running past the
+# * time: each worker writes the index of the item it starts into a shared integer, and
+#   `_IDLE` once the item is encoded, so the main process knows which item each worker is on
+#   and since when (results may wait in the worker while the main process writes, so they
+#   cannot tell; that wait is not the item's time). An item running past the
 #   time limit (a progressive JPEG of 20 000 scans decodes for minutes in libjpeg, inside C
 #   code that no Python signal handler interrupts) gets its worker SIGKILLed: the item is
 #   skipped with the reason, a fresh worker takes the worker's other items;
@@ -78,6 +80,7 @@ def _serve(connection: Any, encoder: Callable[[Any], Encoded], parent: int, curr
                     message = ("done", start + offset, encode_one(item))
                 except BaseException as error:  # a sample of the wrong kind: the run fails
                     message = ("error", start + offset, _sendable(error))
+                current.value = _IDLE  # waiting to send is not the image's time
                 outbox.put(message)
     finally:
         outbox.put(None)
@@ -105,7 +108,7 @@ def _sendable(error: BaseException) -> BaseException:
 class _Worker:
     def __init__(self, context: Any, encoder: Callable, parent: int) -> None:
         self.connection, child = context.Pipe()
-        self.current = context.RawValue("q", -1)  # the item the worker is encoding
+        self.current = context.RawValue("q", _IDLE)  # the item the worker is encoding
         self.seen = -1
         self.process = context.Process(
             target=_serve, args=(child, encoder, parent, self.current), name="fastloader-pack"
@@ -226,7 +229,9 @@ class _Pool:
                 _receive(worker, self.results)
 
     def _late(self, worker: _Worker) -> bool:
-        return bool(worker.pending) and time.monotonic() - worker.since > self.seconds
+        if not worker.pending or worker.current.value == _IDLE:
+            return False  # its results wait for the writer, or for the pipe
+        return time.monotonic() - worker.since > self.seconds
 
     def supervise(self) -> None:
         """Replace workers that died or overran the time limit (NOTE [ Per-image limits when
