@@ -132,14 +132,19 @@ def damage(data: bytes, rng: np.random.Generator, kind: str, flips: int = 3) -> 
     return bytes(damaged)
 
 
-def run_trials(paths: list[Path], timeout: float = 60.0) -> list[dict | None]:
-    """Read each pack in a child process; None for those it crashed (or hung) on."""
+def run_trials(
+    paths: list[Path],
+    timeout: float = 60.0,
+    module_args: tuple[str, ...] = ("benchmarks.fuzz", "--child"),
+) -> list[dict | None]:
+    """Read each file in a child process (``python -m *module_args``, paths on its stdin, a
+    JSON line each on its stdout); None for those it crashed (or hung) on."""
     results: list[dict | None] = []
     env = {**os.environ, "PYTHONFAULTHANDLER": ""}
     while len(results) < len(paths):
         rest = paths[len(results) :]
         child = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.fuzz", "--child"],
+            [sys.executable, "-m", *module_args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,

@@ -34,7 +34,6 @@ import json
 import os
 import random
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +41,8 @@ from pathlib import Path
 
 import numpy as np
 import xxhash
+
+from benchmarks.fuzz import run_trials
 
 OUTCOMES = ("correct or PackError", "silently wrong", "other exception", "crashed")
 NOTES = ("of which refused", "the library died")
@@ -379,28 +380,7 @@ def mutate_lmdb(data: bytes, rng: random.Random, tree: dict) -> tuple[bytes, str
 def run_children(paths: list[Path], kind: str, role: str, timeout: float = 120.0) -> list:
     """``role`` ("ours" or "reference") reading of each file in child processes; None for the
     file a child died (or hung) on."""
-    results: list = []
-    env = {**os.environ, "PYTHONFAULTHANDLER": ""}
-    while len(results) < len(paths):
-        rest = paths[len(results) :]
-        child = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.fuzz_users", "--child", f"{role}:{kind}"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env=env,
-        )
-        try:
-            out, _ = child.communicate("\n".join(map(str, rest)) + "\n", timeout=timeout)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            out, _ = child.communicate()
-        lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        results += lines
-        if len(lines) < len(rest):
-            results.append(None)
-    return results[: len(paths)]
+    return run_trials(paths, timeout, ("benchmarks.fuzz_users", "--child", f"{role}:{kind}"))
 
 
 def fuzz(workdir: Path, kind: str, trials: int, seed: int) -> tuple[dict, dict]:
