@@ -30,7 +30,7 @@ rows, ratios and notes (see ``report.py`` for the shape):
 The data is made at run time from the photos scikit-image ships (``_photos.py``).
 """
 
-#: Every comparison, in the order a run goes through them -> whether the ~3-minute demo
+#: Every comparison, in the order a run goes through them -> whether the ~1-minute demo
 #: (``--quick``, the default) runs it. ``--size full`` and ``tiny`` run them all. A new
 #: comparison is one line here (and its usual duration in ``__main__.EXPECTED_SECONDS``).
 COMPARISONS = {
