@@ -161,6 +161,7 @@ def main() -> None:
         log.close()
     loader.close()
     if distributed:
+        dist.barrier()  # every rank done with gloo before any tears it down
         dist.destroy_process_group()
 
 
