@@ -2,9 +2,11 @@
 
 import json
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from _datasets import RandomDraws
 
 from fastloader import DataLoader
@@ -89,3 +91,29 @@ def run_rank(rank: int, world_size: int, init_file: str, out_dir: str, plan: dic
         torch.save(out, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def spawn_ranks(run: object, out: Path, world_size: int, plan: dict) -> list:
+    """Run ``run(rank, world_size, init_file, out_dir, plan)`` on ``world_size`` forked ranks;
+    return what each rank saved to ``out/rank{rank}.pt``.
+
+    Forked, not spawned: a spawned rank re-imports torch (~10 s each on a busy 2-core box).
+    Gloo's TCP mesh on loopback now and then fails to connect (seen once in CI: "connectFullMesh
+    failed ... Connection closed by peer", before any rank ran a step); that set-up, and
+    nothing else, is tried once more with a fresh rendezvous file.
+    """
+    out.mkdir()
+    for attempt in range(2):
+        try:
+            mp.start_processes(
+                run,
+                args=(world_size, str(out / f"init{attempt}"), str(out), plan),
+                nprocs=world_size,
+                join=True,
+                start_method="fork",
+            )
+            break
+        except mp.ProcessRaisedException as error:
+            if attempt or "connectFullMesh" not in str(error):
+                raise
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(world_size)]

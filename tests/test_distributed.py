@@ -8,10 +8,8 @@ each rank's sampler in this process.
 import json
 
 import pytest
-import torch
-import torch.multiprocessing as mp
 from _datasets import RandomDraws
-from _ddp import SEED, run_rank
+from _ddp import SEED, run_rank, spawn_ranks
 
 from fastloader import DataLoader
 from fastloader.sampling.distributed import ElasticDistributedSampler, gather_in_order
@@ -22,17 +20,7 @@ BATCH = 3
 
 
 def _spawn(tmp, name, world_size, plan):
-    out = tmp / name
-    out.mkdir()
-    # fork, not spawn: a spawned rank re-imports torch (~10 s each on a busy 2-core box)
-    mp.start_processes(
-        run_rank,
-        args=(world_size, str(out / "init"), str(out), plan),
-        nprocs=world_size,
-        join=True,
-        start_method="fork",
-    )
-    return [torch.load(out / f"rank{rank}.pt") for rank in range(world_size)]
+    return spawn_ranks(run_rank, tmp / name, world_size, plan)
 
 
 def _reference_rows(n, epoch):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from _ddp import spawn_ranks
 from _mix_ddp import EPOCH, run_rank
 from _mix_ddp import mix as sixteen_sources
 from _mix_sources import Numbered
@@ -226,16 +226,7 @@ def test_state_dict_of_sixteen_sources_is_small():
 
 
 def _spawn(tmp, name, world_size, plan):
-    out = tmp / name
-    out.mkdir()
-    mp.start_processes(
-        run_rank,
-        args=(world_size, str(out / "init"), str(out), plan),
-        nprocs=world_size,
-        join=True,
-        start_method="fork",
-    )
-    return [torch.load(out / f"rank{rank}.pt") for rank in range(world_size)]
+    return spawn_ranks(run_rank, tmp / name, world_size, plan)
 
 
 def _global(ranks) -> list:
