@@ -240,3 +240,53 @@ def test_reading_a_state_without_drawing_is_seen_too():
         torch.initial_seed, "__wrapped__"
     )
     assert not hasattr(torch.get_rng_state, "__wrapped__")
+
+
+def test_numpy_cached_gaussian_is_read_in_place():
+    # NOTE [ NumPy's cached Gaussian without get_state ]: without it, unseeded batches are off
+    from fastloader.loader import rngs as _rngs
+
+    assert _rngs._NUMPY_AUG is not None and _rngs.fingerprints_see_everything()
+    np.random.seed(11)
+    np.random.normal()  # one Gaussian cached
+    before = FINGERPRINTS[1]()
+    np.random.normal()  # served from the cache: the Mersenne Twister's words do not move
+    assert FINGERPRINTS[1]() != before
+
+
+class GaussianLate(Dataset):
+    """Draws one Gaussian from NumPy at index 5, only once ``late`` is set (after the probe)."""
+
+    def __init__(self) -> None:
+        self.late = False
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i):
+        draw = float(np.random.normal()) if self.late and i == 5 else 0.0
+        return torch.tensor([float(i), draw], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_a_draw_from_the_training_loops_cached_gaussian_is_caught(mode):
+    # The training loop leaves a Gaussian cached; an unseeded batch (NOTE [ Lazy seeding ])
+    # that draws one would take it without moving the Mersenne Twister. It is caught: the
+    # sample is the contract's, and the training loop still gets its own cached Gaussian.
+    dataset = GaussianLate()
+    loader = DataLoader(dataset, batch_size=6, seed=4, seed_rngs=mode)
+    list(loader)  # the probe: no draw seen
+    dataset.late = True
+    np.random.seed(21)
+    np.random.normal()
+    expected_next = np.random.normal()
+    np.random.seed(21)
+    np.random.normal()  # cached again
+    if mode == "auto":
+        with pytest.warns(RuntimeWarning, match="numpy.random"):
+            batches = list(loader)
+    else:
+        batches = list(loader)
+    assert np.random.normal() == expected_next  # the training loop's cached Gaussian
+    np.random.seed(sample_seed(4, 1, 5) & 0xFFFFFFFF)
+    assert batches[0][5, 1].item() == np.random.normal()

@@ -40,3 +40,18 @@ def test_a_live_worker_pool_has_the_state_we_read():
         assert [batch.tolist() for batch in iterator] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     finally:
         loader.close()
+
+
+def _labels(events) -> list[str]:
+    return [event.name for event in events if event.name.startswith("enumerate(DataLoader)")]
+
+
+def test_the_profiler_still_sees_each_batch_of_the_main_process_loader():
+    # NOTE [ The profiler label ]: the label is skipped only while no profiler runs
+    loader = DataLoader(list(range(8)), batch_size=2)
+    iterator = iter(loader)
+    assert next(iterator).tolist() == [0, 1]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        assert [batch.tolist() for batch in iterator] == [[2, 3], [4, 5], [6, 7]]
+    assert len(_labels(profiler.events())) >= 3
+    assert iterator._num_yielded == 4  # counted with and without the label

@@ -31,13 +31,23 @@ private RNG moves twice). So nothing is loaded twice while the loader is still l
   for bit. The lazy RNGs are then seeded
   from the last sample's seed, so ``collate_fn`` sees the states eager seeding leaves (skipped
   for the default collate functions, which draw nothing).
+- **Unseeded batches.** When the dataset uses no RNG at all and the default collate draws
+  nothing, not even the first sample is seeded: the fingerprints of all three RNGs are taken
+  before the batch and compared after it (with the reads below). Unmoved and unread, no
+  sample could tell which state it ran in, and the batch is again the contract's; a batch of
+  cheap samples then costs two sets of fingerprints and no seeding (main process: not even a
+  save of the training loop's states, which are what the samples ran in). This needs
+  fingerprints that see a draw from any state, not only a freshly seeded one (NumPy's cached
+  Gaussian: NOTE [ NumPy's cached Gaussian without get_state ] in rngs.py); without them the
+  first sample is seeded as above.
 - **The one exception**: a dataset that first uses an RNG after its probe (it draws only for
   some indices, rarely, or once something outside changes). The batch where that is found is
-  loaded again with every RNG seeded, the RNG is used from then on by every process, and a
+  loaded again with every RNG seeded (all of it for an unseeded batch, else all but its
+  first sample), the RNG is used from then on by every process, and a
   ``RuntimeWarning`` says so. A pure ``__getitem__`` gives exactly the samples of "always"; one
   that caches, counts or keeps its own RNG has run twice for those samples: such a dataset
   needs ``seed_rngs="always"``. Bounded: once per RNG per loader (per process for samples in
-  flight), at most one batch less one sample each time.
+  flight), at most one batch each time.
 
 What the memory holds (``SeedingMemory``) lives as long as the loader, shared with its workers,
 so workers restarted every epoch (``persistent_workers=False``) or replaced after a death
@@ -60,9 +70,9 @@ its own: it needs ``seed_rngs="always"``.
 
 Datasets with ``__getitems__`` are seeded once per batch and packed datasets
 (``getitems_with``) eagerly: both cost far more per sample than seeding. Cost of "auto" for a
-dataset without randomness, after the probe: one ``seed_rngs`` (two with a collate_fn that may
-draw) and two fingerprints per batch (about 15 us, 0.06 us a sample at batch 256); the probe
-costs about 14 us a sample, once per loader.
+dataset without randomness, after the probe: two sets of fingerprints and the read wrappers
+per batch (about 9 us; with a collate_fn that may draw, two ``seed_rngs`` more, about 13 us);
+the probe costs about 14 us a sample, once per loader.
 """
 
 from __future__ import annotations
@@ -78,8 +88,11 @@ from fastloader.loader.rngs import (
     FINGERPRINTS,
     NAMES,
     SEEDERS,
+    NoStates,
     StateReads,
+    fingerprints_see_everything,
     seed_rngs,
+    states_from_fingerprints,
 )
 from fastloader.sampling.seeds import _epoch_key, _index_key, _mix64, batch_seeds
 
@@ -170,6 +183,8 @@ class EachSampleSeeding:
         self.collate_may_draw = collate_may_draw
         self._epoch_key = (-1, 0)  # (epoch, _epoch_key(seed, epoch)) of the last batch
         self._reads_: StateReads | None = None  # made where it is used (it holds functions)
+        # the training loop's states, saved before seeding (main process: rngs.TrainingStates)
+        self.training: Any = NoStates()
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_reads_": None}  # (spawned workers) made again there
@@ -203,11 +218,18 @@ class EachSampleSeeding:
         lazy = self.lazy_rngs()
         if lazy is None:
             return self._probe(getitem, indices, epoch)
+        if (
+            len(lazy) == len(SEEDERS)
+            and not self.collate_may_draw
+            and fingerprints_see_everything()
+        ):
+            return self._unseeded(getitem, indices, epoch)
         if not lazy or len(indices) == 1:  # a batch of one: its only sample is fully seeded
             return self._eager(getitem, indices, epoch)
         return self._lazily(getitem, indices, epoch, lazy)
 
     def _eager(self, getitem: Any, indices: list, epoch: int) -> list:
+        self.training.save_once()
         samples: list = []
         append = samples.append
         try:
@@ -221,6 +243,7 @@ class EachSampleSeeding:
 
     def _probe(self, getitem: Any, indices: list, epoch: int) -> list:
         # Every sample fully seeded; which RNGs the samples use is recorded.
+        self.training.save_once()
         unseen = [rng for rng in range(len(SEEDERS)) if not self.memory.uses(rng)]
         samples: list = []
         append = samples.append
@@ -256,9 +279,40 @@ class EachSampleSeeding:
                 self.memory.mark_used(rng)
         return still
 
+    def _unseeded(self, getitem: Any, indices: list, epoch: int) -> list:
+        # NOTE [ Lazy seeding ], unseeded batches: nothing is seeded; if no RNG moved and none
+        # was read, no sample could tell, and the batch is the contract's.
+        every = list(range(len(SEEDERS)))
+        before = [fingerprint() for fingerprint in FINGERPRINTS]
+        samples: list = []
+        reads = self._reads.__enter__()
+        try:
+            samples.extend(map(getitem, indices))  # appends one by one: len tells who raised
+        except Exception as error:
+            reads.__exit__()
+            if self._found_use(every, before, reads.read, indices):  # maybe the cause
+                return self._again(getitem, indices, epoch, before)
+            annotate(error, indices[len(samples)], epoch)
+            raise
+        except BaseException:
+            reads.__exit__()
+            self.training.save_once(states_from_fingerprints(before))  # maybe drawn from
+            raise
+        reads.__exit__()
+        if self._found_use(every, before, reads.read, indices):
+            return self._again(getitem, indices, epoch, before)
+        return samples
+
+    def _again(self, getitem: Any, indices: list, epoch: int, before: list) -> list:
+        # An unseeded batch drew from or read an RNG: the states it started from were the
+        # training loop's (main process), and every sample is loaded again, seeded.
+        self.training.save_once(states_from_fingerprints(before))
+        return self._eager(getitem, indices, epoch)
+
     def _lazily(self, getitem: Any, indices: list, epoch: int, lazy: list[int]) -> list:
         # See NOTE [ Lazy seeding ]: the first sample is seeded fully; the others only in the
         # RNGs the dataset uses. If a lazy RNG was drawn from, the batch is loaded again.
+        self.training.save_once()
         seed_rngs(self._sample_seed(epoch, indices[0]))
         try:
             samples = [getitem(indices[0])]

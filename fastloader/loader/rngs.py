@@ -10,6 +10,7 @@ from __future__ import annotations
 import _random
 import ctypes
 import random
+import struct
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -136,11 +137,83 @@ def _python_restore(state: Any) -> None:
         _python_rng.setstate(state)
 
 
+# NOTE [ NumPy's cached Gaussian without get_state ]
+#
+# NumPy's legacy global RNG (``np.random.mtrand._rand``, a ``RandomState``) keeps a Gaussian
+# cached outside its bit generator: ``has_gauss`` and ``gauss`` in its ``aug_bitgen_t``. A
+# sample that draws one Gaussian while one is cached changes only those two fields, not the
+# Mersenne Twister's words, and ``get_state()`` (the one public way to read them) builds a
+# dict of arrays: 30-50 us. The struct ``{int has_gauss; double gauss}`` sits at a fixed
+# offset of the ``RandomState`` object: it is found at import by drawing a Gaussian from a
+# probe ``RandomState`` and looking for its bytes, then checked against ``get_state()``
+# before and after more draws. If anything does not match (another NumPy, another layout),
+# ``_NUMPY_AUG`` is None and ``get_state``/``set_state`` are used: correct, slower, and the
+# loader's unseeded batches (NOTE [ Lazy seeding ]) are not taken.
+_AUG_BYTES = 16  # int has_gauss; 4 bytes of padding; double gauss
+
+
+def _aug_raw(state: Any, offset: int) -> tuple[int, float]:
+    raw = ctypes.string_at(id(state) + offset, _AUG_BYTES)
+    return int.from_bytes(raw[:4], sys.byteorder, signed=True), struct.unpack("d", raw[8:])[0]
+
+
+def _find_numpy_aug() -> int | None:
+    # see NOTE [ NumPy's cached Gaussian without get_state ]
+    try:
+        probe = np.random.RandomState(2024)
+        probe.standard_normal()
+        gauss = probe.get_state()[4]
+        head = ctypes.string_at(id(probe), type(probe).__basicsize__)
+        found = head.find(struct.pack("d", gauss))
+        offset = found - 8
+        if found < 8 or head.find(struct.pack("d", gauss), found + 1) != -1:
+            return None
+        for seed in (7, 8):
+            other = np.random.RandomState(seed)
+            for _ in range(3):
+                state = other.get_state()
+                if state[3] and _aug_raw(other, offset) != (state[3], state[4]):
+                    return None
+                if not state[3] and _aug_raw(other, offset)[0] != 0:
+                    return None
+                other.standard_normal()
+        legacy = np.random.mtrand._rand
+        known = type(legacy) is np.random.RandomState and _get_bit_generator is not None
+        return offset if known else None
+    except Exception:  # noqa: BLE001 - any surprise means: do not touch the memory
+        return None
+
+
+_NUMPY_AUG = _find_numpy_aug()
+_numpy_legacy = np.random.mtrand._rand
+
+
+def _numpy_raw() -> tuple | None:
+    """The legacy global RNG's whole state as raw bytes (Mersenne Twister words and the
+    cached Gaussian), with its bit generator; None where that cannot be read so."""
+    generator = _numpy_bit_generator()
+    if _NUMPY_AUG is None or type(generator) is not np.random.MT19937:
+        return None
+    words = ctypes.string_at(generator.ctypes.state_address, _MT19937_STATE_BYTES)
+    return generator, words, ctypes.string_at(id(_numpy_legacy) + _NUMPY_AUG, _AUG_BYTES)
+
+
+def fingerprints_see_everything() -> bool:
+    """Whether ``FINGERPRINTS`` see every draw from an RNG in any state, not only after it
+    was seeded (NumPy's cached Gaussian is read: NOTE [ NumPy's cached Gaussian without
+    get_state ])."""
+    return _NUMPY_AUG is not None and type(_numpy_bit_generator()) is np.random.MT19937
+
+
 def _numpy_fingerprint() -> Any:
+    raw = _numpy_raw()
+    if raw is not None:
+        return raw
     generator = _numpy_bit_generator()
     if type(generator) is np.random.MT19937:
         # The raw state struct, read through numpy's public ctypes interface: a copy of 2.5 kB
-        # instead of the dict of arrays ``get_state()`` builds (30-50 us).
+        # instead of the dict of arrays ``get_state()`` builds (30-50 us). (Without the
+        # cached Gaussian: a fingerprint taken after ``numpy.random.seed``, which clears it.)
         address = generator.ctypes.state_address
         return id(generator), ctypes.string_at(address, _MT19937_STATE_BYTES)
     return id(generator), repr(generator.state)  # a user-installed bit generator: slow, exact
@@ -219,48 +292,77 @@ class StateReads:
 
 
 class StateKeeper:
-    """Saves and restores the full states of the three RNGs, numpy's cheaply when it can.
+    """Saves and restores the full states of the three RNGs, cheaply where it can.
 
-    ``numpy.random.get_state()``/``set_state()`` cost 30-50 us each (a dict of arrays). When the
-    state to save is the one this keeper restored last (same raw bytes) and that state held no
-    cached Gaussian, the saved copy is reused; restoring such a state is ``numpy.random.seed``
-    (which clears the cached Gaussian, as the state had none) and a copy of the raw bytes
-    back. Training code cannot change the cached Gaussian without drawing (changing the raw
-    bytes) when none was cached, so reusing the copy is exact.
+    Python's and NumPy's states are copied as raw bytes (NOTE [ Python's random state without
+    getstate ], NOTE [ NumPy's cached Gaussian without get_state ]): a few microseconds, where
+    ``getstate()``/``get_state()`` build tuples and dicts of arrays (10-50 us). Where NumPy's
+    cannot be read so (a user-installed bit generator, an unknown layout), its state is saved
+    with ``numpy.random.get_state()``.
     """
-
-    def __init__(self) -> None:
-        self._numpy_known: tuple | None = None  # (fingerprint, full state) last restored
 
     def save(self) -> tuple:
         """The current states (for ``restore``)."""
-        fingerprint = _numpy_fingerprint()
-        known = self._numpy_known
-        if known is not None and known[0] == fingerprint:
-            numpy_state = known
-        else:
-            numpy_state = (fingerprint, np.random.get_state())
+        numpy_state = _numpy_raw()
+        if numpy_state is None:
+            numpy_state = np.random.get_state(legacy=False)  # a dict
         return _python_save(), numpy_state, _torch_rng.get_state()
 
     def restore(self, states: tuple) -> None:
         """Put back the states of ``save``."""
-        python_state, (fingerprint, numpy_state), torch_state = states
+        python_state, numpy_state, torch_state = states
         _python_restore(python_state)
         _torch_rng.set_state(torch_state)
-        generator = _numpy_bit_generator()
-        fast = (
-            isinstance(numpy_state, tuple)
-            and numpy_state[3] == 0  # no cached Gaussian
-            and type(generator) is np.random.MT19937
-            and id(generator) == fingerprint[0]
-        )
-        if fast:
-            np.random.seed(0)  # clears the cached Gaussian
-            ctypes.memmove(generator.ctypes.state_address, fingerprint[1], _MT19937_STATE_BYTES)
-            self._numpy_known = (fingerprint, numpy_state)
-        else:
-            np.random.set_state(numpy_state)
-            self._numpy_known = None
+        if type(numpy_state) is tuple:  # from _numpy_raw
+            generator, words, aug = numpy_state
+            if _numpy_bit_generator() is not generator:  # replaced while the batch loaded
+                np.random.set_bit_generator(generator)  # numpy >= 1.25, as _NUMPY_AUG needs
+            ctypes.memmove(generator.ctypes.state_address, words, _MT19937_STATE_BYTES)
+            ctypes.memmove(id(_numpy_legacy) + _NUMPY_AUG, aug, _AUG_BYTES)
+            return
+        np.random.set_state(numpy_state)
+
+
+def states_from_fingerprints(fingerprints: list) -> tuple:
+    """``FINGERPRINTS`` taken while ``fingerprints_see_everything()``, as ``StateKeeper``
+    states: they hold each RNG's whole state."""
+    python_state, numpy_state, torch_bytes = fingerprints
+    return python_state, numpy_state, torch.frombuffer(bytearray(torch_bytes), dtype=torch.uint8)
+
+
+class TrainingStates:
+    """The training loop's RNG states while a batch loads in the main process: saved the
+    first time the batch is about to change them (``save_once``), put back when the batch is
+    loaded (``restore``). A batch that seeds nothing costs nothing."""
+
+    __slots__ = ("_keeper", "_saved")
+
+    def __init__(self) -> None:
+        self._keeper = StateKeeper()
+        self._saved: tuple | None = None
+
+    def save_once(self, states: tuple | None = None) -> None:
+        """Save the current states (or ``states``, taken earlier) unless saved already."""
+        if self._saved is None:
+            self._saved = states if states is not None else self._keeper.save()
+
+    def restore(self) -> None:
+        """Put back what ``save_once`` saved, if anything."""
+        saved, self._saved = self._saved, None
+        if saved is not None:
+            self._keeper.restore(saved)
+
+
+class NoStates:
+    """``TrainingStates`` where there is no training loop to protect (a worker process)."""
+
+    __slots__ = ()
+
+    def save_once(self, states: tuple | None = None) -> None:
+        pass
+
+    def restore(self) -> None:
+        pass
 
 
 def get_states() -> tuple:

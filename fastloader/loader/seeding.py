@@ -22,7 +22,11 @@ consumed (see NOTE [ Cross-epoch prefetch ] in ``loader/iterators/``).
   its iterator yields its first element of the epoch; without workers, as worker 0, and
   between batches the loading states are kept apart from the training loop's.
 - In the main process (``num_workers=0``) loading must not disturb the training loop's
-  randomness, so the caller swaps RNG states around each batch (``RNGStateSwap``).
+  randomness: the training loop's states are saved the first time a batch is about to seed
+  (or, unseeded, was found drawing: NOTE [ Lazy seeding ]) and put back when it is loaded
+  (``rngs.TrainingStates``), so a batch that seeds nothing saves nothing; with a
+  ``collate_fn`` that may draw, and for iterable datasets, the caller swaps all states around
+  each batch instead (``RNGStateSwap``).
 
 Which RNGs are seeded before each sample, and how that stays cheap: NOTE [ Lazy seeding ] in
 ``lazy_seeding.py``. torch's wrappers (``Subset``, ``random_split``'s subsets, ``StackDataset``;
@@ -59,7 +63,7 @@ from fastloader.loader.lazy_seeding import (
     annotate,
     probe_length,
 )
-from fastloader.loader.rngs import StateKeeper, seed_rngs
+from fastloader.loader.rngs import NoStates, StateKeeper, TrainingStates, seed_rngs
 from fastloader.sampling.seeds import _epoch_key, _index_key, _mix64, sample_seed
 
 #: What ``DataLoader(seed_rngs=...)`` accepts; see NOTE [ Lazy seeding ].
@@ -208,6 +212,17 @@ class SeededDataset:
             probe_length(dataset),
             collate_may_draw,
         )
+        self.training: Any = NoStates()  # see keep_training_states
+
+    def keep_training_states(self) -> bool:
+        """In the main process: keep the training loop's RNG states as they were across each
+        batch (saved only if the batch seeds or draws). False, and nothing done, when the
+        caller must swap states around collate too (a ``collate_fn`` that may draw, an
+        iterable dataset, ``seed_rngs="never"``)."""
+        if self.collate_may_draw or self.seed_rngs == "never":
+            return False
+        self.training = self._each.training = TrainingStates()
+        return True
 
     def _get(self, index: Any, epoch: int) -> Any:
         try:
@@ -222,9 +237,11 @@ class SeededDataset:
         started = perf_counter()
         try:
             if self.seed_rngs != "never":  # a batch of one: its only sample is fully seeded
+                self.training.save_once()
                 seed_rngs(sample_seed(self.seed, task.epoch, task.indices))
             return self._get(task.indices, task.epoch)
         finally:
+            self.training.restore()
             if self.busy is not None:
                 self.busy[self.slot] += perf_counter() - started
 
@@ -232,7 +249,10 @@ class SeededDataset:
         if self.progress is not None:
             self.progress[self.slot] = task.number
         if self.busy is None:  # the main process: nobody reads a busy time
-            return self._load_task(task)
+            try:
+                return self._load_task(task)
+            finally:
+                self.training.restore()
         started = perf_counter()
         try:
             return self._load_task(task)
@@ -246,6 +266,7 @@ class SeededDataset:
             return self._load_seeding_each(indices, epoch)
         if self._batched:
             if indices and self.seed_rngs != "never":
+                self.training.save_once()
                 seed_rngs(sample_seed(self.seed, epoch, indices[0]))
             try:
                 return self.dataset.__getitems__(indices)
@@ -261,6 +282,7 @@ class SeededDataset:
         # Packed datasets decode each sample (far dearer than seeding): seeded eagerly.
         key = _epoch_key(self.seed, epoch)
         seeds_on = self.seed_rngs != "never"
+        training = self.training
         current: list = [indices]
         read = indices
         outer: dict = {}  # under Subsets: read index -> the loader's indices, in batch order
@@ -275,6 +297,7 @@ class SeededDataset:
                 index = outer[index].pop(0)  # seeded by the index the sampler gave
             current[0] = index
             if seeds_on:
+                training.save_once()
                 seed_rngs(_mix64(key ^ _index_key(index)))  # == sample_seed(seed, epoch, index)
 
         try:

@@ -27,7 +27,9 @@ is torch's iterator, ``_BaseDataLoaderIter``) and rely on:
   ``default_collate_fn_map`` and ``default_collate`` (the loader's default, recognised by
   identity): the slot collate is torch's collate with the tensor rule replaced;
 - ``_BaseDataLoaderIter.__next__`` (profiler label, ``_num_yielded``), called around our
-  bookkeeping;
+  bookkeeping; for map-style datasets with no profiler on, its body without the label
+  (``_sampler_iter``, ``_reset``, ``_next_data``, ``_num_yielded``; NOTE [ The profiler
+  label ] in common.py, checked by tests/test_torch_internals.py);
 - ``_next_index()`` being the only place indices are drawn (``_try_put_index`` treats its
   StopIteration as "nothing to send now"), called just before a task is sent as
   ``(self._send_idx, task)``;

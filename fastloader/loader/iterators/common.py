@@ -10,6 +10,7 @@ import time
 import weakref
 from typing import Any
 
+import torch
 from torch.utils.data import (
     BatchSampler,
     DistributedSampler,
@@ -135,7 +136,7 @@ class LoaderIterMixin:
         delivered = self._delivered
         try:
             if self._device_batches is None:
-                batch = _BaseDataLoaderIter.__next__(self)
+                batch = torch_next(self)
             else:
                 self._source_s = 0.0  # time in _TorchNext: waiting for loading, not the copy
                 batch = next(self._device_batches)
@@ -164,6 +165,29 @@ class LoaderIterMixin:
         return batch
 
 
+# NOTE [ The profiler label ]
+#
+# torch's ``_BaseDataLoaderIter.__next__`` opens a ``record_function`` span around every
+# batch, whether or not a profiler runs: about 6 us a batch (2-core box), as much as the whole
+# bookkeeping of a batch of cheap samples loaded in the main process (issue 30). For
+# map-style datasets, with no profiler on, ``torch_next`` runs the rest of that method as it
+# is (reset on first use, ``_next_data``, ``_num_yielded``); with a profiler on, or for
+# iterable datasets (whose length warning lives there), it calls torch's own.
+_profiler_enabled = torch._C._autograd._profiler_enabled
+
+
+def torch_next(iterator: Any) -> Any:
+    """torch's ``__next__`` of ``iterator``, without the profiler label when no profiler
+    runs (NOTE [ The profiler label ])."""
+    if iterator._schedule is None or _profiler_enabled():
+        return _BaseDataLoaderIter.__next__(iterator)
+    if iterator._sampler_iter is None:
+        iterator._reset()
+    data = iterator._next_data()
+    iterator._num_yielded += 1
+    return data
+
+
 class _TorchNext:
     """torch's ``__next__`` of an iterator, as an iterable for the device prefetcher."""
 
@@ -178,7 +202,7 @@ class _TorchNext:
         delivered = iterator._delivered
         started = time.perf_counter()
         try:
-            return _BaseDataLoaderIter.__next__(iterator)
+            return torch_next(iterator)
         except Exception as error:
             if iterator._delivered != delivered:  # a batch whose loading raised
                 iterator._counted_failures.append(error)
@@ -211,6 +235,10 @@ class SingleProcessIter(SeededDatasetMixin, LoaderIterMixin, _SingleProcessDataL
         self._rng_swap = RNGStateSwap(self._schedule is None, loader.seed_rngs != "never")
         self._delivered = 0
         super().__init__(loader)
+        dataset = self._dataset
+        # NOTE [ Seeding contract ]: the dataset keeps the training loop's states itself
+        # (saving them only for batches that seed), or the states are swapped around each batch
+        self._swaps = not (isinstance(dataset, SeededDataset) and dataset.keep_training_states())
         self._bind(loader)
 
     def _next_index(self) -> Any:
@@ -219,5 +247,7 @@ class SingleProcessIter(SeededDatasetMixin, LoaderIterMixin, _SingleProcessDataL
         return index
 
     def _next_data(self) -> Any:
+        if not self._swaps:
+            return super()._next_data()
         with self._rng_swap:
             return super()._next_data()
