@@ -32,13 +32,14 @@ starts, the pool asks the reader to drop a partial message of the dead writer
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import select
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -47,7 +48,7 @@ PATIENCE_S = 0.5  # how long one read waits on an incomplete message before answ
 _FEEDER = "QueueFeederThread"  # multiprocessing's name for the thread that writes a queue
 
 
-def mark_writes(writing: Any, slot: int) -> None:
+def mark_writes(writing: Any, slot: int) -> Callable[[], Any]:
     """In a worker: count in ``writing[slot]`` the messages this process is writing to a
     queue's pipe (its result queue).
 
@@ -56,6 +57,10 @@ def mark_writes(writing: Any, slot: int) -> None:
     threads' messages (``multiprocessing.resource_sharer`` answering for a tensor's file
     descriptor) go to other pipes, and a count, not a flag, so no sender can lower another's
     mark. See NOTE [ Torn results ].
+
+    Returns:
+        A context manager factory counting a write made outside the feeder thread (NOTE
+        [ Puts without a feeder thread ] in loader/transport/pipes.py).
     """
     original = Connection._send_bytes
     lock = threading.Lock()
@@ -73,6 +78,18 @@ def mark_writes(writing: Any, slot: int) -> None:
                 writing[slot] -= 1
 
     Connection._send_bytes = send_bytes_marked  # type: ignore[method-assign]
+
+    @contextlib.contextmanager
+    def counted() -> Iterator[None]:
+        with lock:
+            writing[slot] += 1
+        try:
+            yield
+        finally:
+            with lock:
+                writing[slot] -= 1
+
+    return counted
 
 
 def guard_reads(result_queue: Any, writing: Any, workers: Sequence[Any]) -> GuardedReader:

@@ -58,6 +58,7 @@ from torch.utils.data import get_worker_info
 
 from fastloader.loader.result_queue import mark_writes
 from fastloader.loader.seeding import SeededDataset, SeededIterableDataset
+from fastloader.loader.transport.pipes import write_directly
 from fastloader.parent_death import die_with_parent
 
 STACK_SIGNAL = getattr(signal, "SIGUSR2", None)
@@ -134,13 +135,18 @@ class WorkerInit:
         self.reseeded = reseeded  # shared flag, set when user_fn changed the global RNGs
         self.writing = writing  # shared flags: NOTE [ Torn results ] in loader/result_queue.py
         self.forked_from_main_thread = True
+        # the pool's result queue, written without its feeder thread (NOTE [ Puts without a
+        # feeder thread ] in loader/transport/pipes.py); the very object torch's loop puts on
+        self.result_queue: Any = None
 
     def __call__(self, worker_id: int) -> None:
         if self.parent_pid is not None:
             die_with_parent(self.parent_pid, self.forked_from_main_thread)
         register_stack_dump(self.stack_folder, worker_id)
         if self.writing is not None:
-            mark_writes(self.writing, worker_id)
+            counted = mark_writes(self.writing, worker_id)
+            if self.result_queue is not None:
+                write_directly(self.result_queue, counted)
         info = get_worker_info()
         if isinstance(info.dataset, SeededDataset):
             info.dataset.slot = worker_id

@@ -48,6 +48,7 @@ from fastloader.loader.supervision import (
     warn_reseeded,
 )
 from fastloader.loader.transport import receive
+from fastloader.loader.transport.pipes import write_directly
 from fastloader.loader.transport.send import SlotCollate
 from fastloader.loader.transport.slots import SlotFile
 from fastloader.loader.worker_guard import WorkerInit, make_stack_folder
@@ -122,6 +123,18 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
             )
             user_fn.forked_from_main_thread = _in_main_thread()
         self.__dict__["_fastloader_worker_init"] = user_fn
+
+    @property
+    def _worker_result_queue(self) -> Any:
+        return self.__dict__["_fastloader_result_queue"]
+
+    @_worker_result_queue.setter
+    def _worker_result_queue(self, queue: Any) -> None:
+        # set by torch after _worker_init_fn, before workers start: each worker writes its
+        # results to this very object without a feeder thread (NOTE [ Puts without a feeder
+        # thread ] in loader/transport/pipes.py)
+        self._worker_init_fn.result_queue = queue
+        self.__dict__["_fastloader_result_queue"] = queue
 
     @property
     def _collate_fn(self) -> Any:
@@ -211,6 +224,9 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
             # dies, and supervision finds dead workers itself (NOTE [ Supervised workers ]).
             _utils.signal_handling._remove_worker_pids(id(self))
             self._worker_pids_set = False
+        if first_iter:  # before the first task is put (NOTE [ Puts without a feeder thread ])
+            for index_queue in self._index_queues:
+                write_directly(index_queue)
         self._sent_tasks.clear()
         self._settled.clear()
         self._ledger.reset()
@@ -415,6 +431,7 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
     def _start_worker(self, slot: int) -> None:
         index_queue = self._process_factory.Queue()
         index_queue.cancel_join_thread()
+        write_directly(index_queue)  # NOTE [ Puts without a feeder thread ]
         self._worker_init_fn.forked_from_main_thread = _in_main_thread()
         self._progress[slot] = NOT_STARTED
         self._writing[slot] = 0  # the dead worker's lock was released: NOTE [ Torn results ]

@@ -1,7 +1,9 @@
 """Batches from worker processes to the main process through reusable shared-memory slots.
 
 Who runs what: ``slots.py`` is the memory and its table (both sides), ``send.py`` runs in the
-workers, ``receive.py`` in the main process. Imports: torch, NumPy and the standard library.
+workers, ``receive.py`` in the main process, ``pipes.py`` writes the queues' messages (tasks,
+descriptors) in the calling thread on both sides (NOTE [ Puts without a feeder thread ]).
+Imports: torch, NumPy and the standard library.
 
 NOTE [ Batch transport ]
 

@@ -1,0 +1,117 @@
+"""Queue puts that write the pipe in the calling thread, without multiprocessing's feeder.
+
+NOTE [ Puts without a feeder thread ]
+
+``multiprocessing.Queue.put`` appends to a buffer and wakes the queue's feeder thread, which
+pickles and writes. For the loader's messages (a task: an epoch and a batch of indices; a
+result: a slot descriptor of a few hundred bytes, NOTE [ Batch transport ]) waking that thread
+and handing the GIL back and forth costs more than the write: py-spy found 15 % of a busy
+worker's time and 4 % of the main process's in ``Condition.notify`` of ``put`` (issue 30's
+pose batches, 2 workers, 2-core box). ``write_directly(queue)`` gives one queue a ``put``
+that pickles and writes in the calling thread:
+
+* **Never blocking.** A write to a full pipe waits until the reader makes room; a dead
+  reader (a killed worker, for a task queue) would leave the main loop waiting forever. A
+  message is written here only when the pipe has room for all of it (bytes unread,
+  ``FIONREAD``, against the pipe's size, ``F_GETPIPE_SZ``: Linux only; elsewhere nothing is
+  changed) and only while holding the queue's write lock, as the feeder holds it, so no other
+  writer (another worker, on the shared result queue) can fill the room in between.
+* **Order.** A message that does not fit goes to the feeder thread, and from then on every
+  message of that queue in this process does (the feeder's buffer may still hold it when
+  the next one comes): per writer, messages keep their order.
+* **Torn messages.** A write into a pipe with room for it is completed by the kernel at once;
+  a worker killed while writing its result is still counted by NOTE [ Torn results ]
+  (``count_sends`` marks these writes as the feeder's are).
+"""
+
+from __future__ import annotations
+
+import array
+import pickle
+import sys
+from collections.abc import Callable
+from typing import Any
+
+try:
+    import fcntl
+    import termios
+
+    _PIPE_SIZE = fcntl.F_GETPIPE_SZ  # Linux
+except (ImportError, AttributeError):
+    _PIPE_SIZE = None
+
+from multiprocessing.reduction import ForkingPickler
+from queue import Full
+
+
+def _room(fd: int) -> int:
+    """Bytes that can be written into pipe ``fd`` now without blocking."""
+    unread = array.array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, unread, True)
+    return fcntl.fcntl(fd, _PIPE_SIZE) - unread[0]
+
+
+class DirectPut:
+    """``queue.put`` written in the calling thread while it fits the pipe (see the NOTE)."""
+
+    def __init__(self, queue: Any, count_sends: Callable[[], Any] | None = None) -> None:
+        self._queue = queue
+        self._feeder_put = queue.put  # the queue's own put (the feeder thread)
+        self._count_sends = count_sends
+        self._fed = False  # True once a message went to the feeder: order (see the NOTE)
+
+    def __call__(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
+        queue = self._queue
+        if self._fed or queue._closed:
+            return self._feeder_put(obj, block, timeout)
+        message = ForkingPickler.dumps(obj)
+        if not queue._sem.acquire(block, timeout):  # as Queue.put: the count get() releases
+            raise Full
+        writer = queue._writer
+        lock = queue._wlock
+        if lock is not None:
+            lock.acquire()
+        try:
+            if len(message) + 8 <= _room(writer.fileno()):
+                if self._count_sends is None:
+                    writer.send_bytes(message)
+                else:
+                    with self._count_sends():
+                        writer.send_bytes(message)
+                return None
+        finally:
+            if lock is not None:
+                lock.release()
+        queue._sem.release()  # taken again by the feeder's put
+        self._fed = True
+        # already pickled (a tensor's pickle shares its memory once): sent as it is
+        return self._feeder_put(_Pickled(bytes(message)), block, timeout)
+
+
+class _Pickled:
+    """A message pickled already: the reader's unpickling gives the original object."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: bytes) -> None:
+        self.message = message
+
+    def __reduce__(self) -> tuple:
+        return (pickle.loads, (self.message,))
+
+
+#: False leaves every queue to its feeder thread (benchmarks/transport.py measures both).
+ENABLED = True
+
+
+def write_directly(queue: Any, count_sends: Callable[[], Any] | None = None) -> bool:
+    """Give ``queue`` (a ``multiprocessing.Queue`` no message was put on yet in this process)
+    a ``put`` that writes in the calling thread (NOTE [ Puts without a feeder thread ]).
+
+    ``count_sends()`` is entered around each write (NOTE [ Torn results ]). Returns whether
+    the queue was changed (not where pipes cannot be measured: not Linux).
+    """
+    if not ENABLED or _PIPE_SIZE is None or sys.platform != "linux" or queue._buffer:
+        return False
+    queue.put = DirectPut(queue, count_sends)
+    return True
