@@ -29,9 +29,11 @@ loader's loading threads count and fastloader's worker processes do not).
   32;
 - ``index``: ``dataset[i]`` returns ``i``, batch 256;
 - ``images``: a 3x224x224 uint8 tensor per sample (benchmarks/transport.py's), batch 64;
-- ``jpeg``: the photos (``_photos.py``) in an LMDB pack (``--store jpeg``, short side 256),
-  decoded by the fused random-resized crop + flip (libjpeg-turbo via simplejpeg, releasing
-  the GIL), batch 64: pipeline.py's ``lmdb_jpeg_fused``.
+- ``jpeg256``: the photos (``_photos.py``) in an LMDB pack (``--store jpeg``, short side 256),
+  decoded by the fused random-resized crop 224 + flip (libjpeg-turbo via simplejpeg and
+  OpenCV's resize, both releasing the GIL), batch 64: pipeline.py's ``lmdb_jpeg_fused``;
+- ``jpeg_encoded``: the same photos as they were (~500x375 JPEGs, ``--store encoded``), the
+  same fused transform (more of each sample's time is decoding): ``lmdb_encoded_fused``.
 
 Run alone: ``python -m benchmarks --only threads``.
 """
@@ -66,7 +68,14 @@ SIZES = {
     "quick": (7, 16_384, 8192, 131_072, 4096, 1280),
     "full": (9, 32_768, 16_384, 262_144, 8192, 2560),
 }
-BATCHES = {"pose64": 64, "tokens": 32, "index": 256, "images": 64, "jpeg": 64}
+BATCHES = {
+    "pose64": 64,
+    "tokens": 32,
+    "index": 256,
+    "images": 64,
+    "jpeg256": 64,
+    "jpeg_encoded": 64,
+}
 THREAD_COUNTS = (1, 2, 4)
 PREFETCH = 2  # batches in flight per thread
 SKIP_BATCHES = 5  # fastloader's 2 workers x prefetch 2 loaded ahead, + 1
@@ -255,9 +264,10 @@ def _compare(kind: str, dataset: Dataset, rounds: int, skip: int) -> tuple[list,
     return rows, ratios, _verdict(seconds)
 
 
-def _jpeg_pack(workdir: Path, photos: int) -> LMDBDataset:
-    note(f"making {photos} photos and their LMDB pack (--store jpeg)")
-    path = packed(image_folder(workdir, photos), workdir, "lmdb", "jpeg", 256)
+def _jpeg_pack(workdir: Path, photos: int, store: str) -> LMDBDataset:
+    note(f"making {photos} photos and their LMDB pack (--store {store})")
+    side = 256 if store == "jpeg" else None
+    path = packed(image_folder(workdir, photos), workdir, "lmdb", store, side)
     return LMDBDataset(path, transform=train_transform())
 
 
@@ -271,7 +281,8 @@ def run(size: str, workdir: Path) -> dict:
         "tokens": lambda: TokenWindows(_token_file(workdir, windows), windows),
         "index": lambda: IndexDataset(indices),
         "images": lambda: Images(images),
-        "jpeg": lambda: _jpeg_pack(workdir, photos),
+        "jpeg256": lambda: _jpeg_pack(workdir, photos, "jpeg"),
+        "jpeg_encoded": lambda: _jpeg_pack(workdir, photos, "encoded"),
     }
     plan(rounds * len(datasets))
     rows, ratios, verdicts = [], {}, []
@@ -282,6 +293,26 @@ def run(size: str, workdir: Path) -> dict:
         rows += kind_rows
         ratios.update(kind_ratios)
         verdicts.append({"data": kind, "verdict": verdict})
+    notes = [
+        f"vs_*: the loader's samples/s over the named loader's, median of per-round ratios "
+        f"({rounds} interleaved rounds after a warm-up epoch)",
+        f"verdict: threads win (lose) where the best thread count's median ratio to the "
+        f"faster fastloader setting is above {WIN} (below {LOSE}) and it is faster (slower) "
+        f"in at least {AGREE:.0%} of the rounds; the same test against plain_loop says "
+        "whether the threads' gain is parallelism or only the loop's lower cost per batch",
+        f"samples/s, CPU and faults: steady, from the end of each epoch's first {skip} "
+        "batches (what fastloader's persistent workers load ahead across the epoch boundary)",
+        "process_cpu_ms_per_batch: time.process_time of the main process (all its threads: "
+        "for threads_T it includes the loading threads; fastloader's worker processes are "
+        "not counted) per batch, median over rounds; page_faults_per_batch: the same "
+        "process's minor page faults (getrusage) per batch",
+        "threads_T: T threads of the main process, whole batches each, 2 per thread in "
+        "flight, sampler order, torch on 1 intra-op thread in each; no per-sample RNG "
+        "seeding (a thread mode cannot seed the process-global RNGs per sample while the "
+        "training thread uses them)",
+    ]
+    if rounds < 3:
+        notes.append("one round: a smoke test; the verdicts need --size quick or full")
     return {
         "comparison": "threads",
         "config": {
@@ -291,26 +322,10 @@ def run(size: str, workdir: Path) -> dict:
             "batches": BATCHES,
             "threads": THREAD_COUNTS,
             "prefetch_per_thread": PREFETCH,
-            "torch_threads": torch.get_num_threads(),
+            "main_thread_torch_threads": torch.get_num_threads(),
         },
         "rows": rows,
         "verdict_rows": verdicts,
         "ratios": ratios,
-        "notes": [
-            f"vs_*: the loader's samples/s over the named loader's, median of per-round ratios "
-            f"({rounds} interleaved rounds after a warm-up epoch)",
-            f"verdict: threads win (lose) where the best thread count's median ratio to the "
-            f"faster fastloader setting is above {WIN} (below {LOSE}) and it is faster (slower) "
-            f"in at least {AGREE:.0%} of the rounds; the same test against plain_loop says "
-            "whether the threads' gain is parallelism or only the loop's lower cost per batch",
-            f"samples/s, CPU and faults: steady, from the end of each epoch's first {skip} "
-            "batches (what fastloader's persistent workers load ahead across the epoch boundary)",
-            "process_cpu_ms_per_batch: time.process_time of the main process (all its threads: "
-            "for threads_T it includes the loading threads; fastloader's worker processes are "
-            "not counted) per batch, median over rounds; page_faults_per_batch: the same "
-            "process's minor page faults (getrusage) per batch",
-            "threads_T: T threads of the main process, whole batches each, 2 per thread in "
-            "flight, sampler order; no per-sample RNG seeding (a thread mode cannot seed the "
-            "process-global RNGs per sample while the training thread uses them)",
-        ],
+        "notes": notes,
     }
