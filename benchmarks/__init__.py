@@ -48,6 +48,7 @@ COMPARISONS = {
     "any_sample": False,
     "mix": False,
     "transport": False,
+    "threads": False,
 }
 DEMO = tuple(name for name, in_demo in COMPARISONS.items() if in_demo)
 SIZES = ("tiny", "quick", "full")
