@@ -4,6 +4,7 @@ never reorder, and hand what does not fit to the feeder thread."""
 from __future__ import annotations
 
 import multiprocessing
+import subprocess
 import sys
 
 import numpy as np
@@ -42,6 +43,24 @@ def test_a_full_pipe_never_blocks_and_order_is_kept():
     received = [queue.get(timeout=5) for _ in range(7)]
     assert [number for number, _ in received] == list(range(7))
     assert all(np.array_equal(array, big) for _, array in received[:6])
+
+
+def test_many_small_messages_nobody_reads_never_block():
+    # a pipe of 64 KB blocked a 200-byte write with 64,000 bytes unread (pages, not bytes):
+    # run in a child, so a hang is seen as one
+    script = (
+        "import multiprocessing, sys\n"
+        "from fastloader.loader.transport import pipes\n"
+        "queue = multiprocessing.get_context('fork').Queue()\n"
+        "assert pipes.write_directly(queue)\n"
+        "for number in range(2000):\n"
+        "    queue.put((number, list(range(40))))\n"
+        "assert queue.put._fed\n"
+        "assert [queue.get(timeout=5)[0] for _ in range(2000)] == list(range(2000))\n"
+        "print('ORDERED')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert "ORDERED" in run.stdout, run.stderr[-2000:]
 
 
 def test_a_tensor_that_goes_to_the_feeder_is_pickled_once():

@@ -12,43 +12,31 @@ that pickles and writes in the calling thread:
 
 * **Never blocking.** A write to a full pipe waits until the reader makes room; a dead
   reader (a killed worker, for a task queue) would leave the main loop waiting forever. A
-  message is written here only when the pipe has room for all of it (bytes unread,
-  ``FIONREAD``, against the pipe's size, ``F_GETPIPE_SZ``: Linux only; elsewhere nothing is
-  changed) and only while holding the queue's write lock, as the feeder holds it, so no other
-  writer (another worker, on the shared result queue) can fill the room in between.
+  message is written here only when that cannot happen: it fits in one page with its length
+  (``PAGESIZE``, 4 KB) and the pipe has a free page (``poll`` says ``POLLOUT``: Linux's pipe
+  then either appends the write to its last page or puts it in a free one, whole, at once),
+  and only while holding the queue's write lock, as the feeder holds it, so no other writer
+  (another worker, on the shared result queue) can take that page in between. Counting free
+  bytes is not enough: small writes that do not fit the last page's rest start a new page, so
+  a pipe of 64 KB blocked a 200-byte write with 64,000 bytes unread.
 * **Order.** A message that does not fit goes to the feeder thread, and from then on every
   message of that queue in this process does (the feeder's buffer may still hold it when
   the next one comes): per writer, messages keep their order.
-* **Torn messages.** A write into a pipe with room for it is completed by the kernel at once;
+* **Torn messages.** A write into a free page is completed by the kernel at once;
   a worker killed while writing its result is still counted by NOTE [ Torn results ]
   (``count_sends`` marks these writes as the feeder's are).
 """
 
 from __future__ import annotations
 
-import array
+import mmap
 import pickle
+import select
 import sys
 from collections.abc import Callable
-from typing import Any
-
-try:
-    import fcntl
-    import termios
-
-    _PIPE_SIZE = fcntl.F_GETPIPE_SZ  # Linux
-except (ImportError, AttributeError):
-    _PIPE_SIZE = None
-
 from multiprocessing.reduction import ForkingPickler
 from queue import Full
-
-
-def _room(fd: int) -> int:
-    """Bytes that can be written into pipe ``fd`` now without blocking."""
-    unread = array.array("i", [0])
-    fcntl.ioctl(fd, termios.FIONREAD, unread, True)
-    return fcntl.fcntl(fd, _PIPE_SIZE) - unread[0]
+from typing import Any
 
 
 class DirectPut:
@@ -59,12 +47,16 @@ class DirectPut:
         self._feeder_put = queue.put  # the queue's own put (the feeder thread)
         self._count_sends = count_sends
         self._fed = False  # True once a message went to the feeder: order (see the NOTE)
+        self._writable = select.poll()
+        self._writable.register(queue._writer.fileno(), select.POLLOUT)
 
     def __call__(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
         queue = self._queue
         if self._fed or queue._closed:
             return self._feeder_put(obj, block, timeout)
         message = ForkingPickler.dumps(obj)
+        if len(message) + 4 > mmap.PAGESIZE:  # Connection.send_bytes: 4 bytes of length
+            return self._to_feeder(message, block, timeout)
         if not queue._sem.acquire(block, timeout):  # as Queue.put: the count get() releases
             raise Full
         writer = queue._writer
@@ -72,7 +64,7 @@ class DirectPut:
         if lock is not None:
             lock.acquire()
         try:
-            if len(message) + 8 <= _room(writer.fileno()):
+            if self._writable.poll(0):  # a free page: NOTE [ Puts without a feeder thread ]
                 if self._count_sends is None:
                     writer.send_bytes(message)
                 else:
@@ -83,6 +75,9 @@ class DirectPut:
             if lock is not None:
                 lock.release()
         queue._sem.release()  # taken again by the feeder's put
+        return self._to_feeder(message, block, timeout)
+
+    def _to_feeder(self, message: Any, block: bool, timeout: float | None) -> None:
         self._fed = True
         # already pickled (a tensor's pickle shares its memory once): sent as it is
         return self._feeder_put(_Pickled(bytes(message)), block, timeout)
@@ -109,9 +104,9 @@ def write_directly(queue: Any, count_sends: Callable[[], Any] | None = None) -> 
     a ``put`` that writes in the calling thread (NOTE [ Puts without a feeder thread ]).
 
     ``count_sends()`` is entered around each write (NOTE [ Torn results ]). Returns whether
-    the queue was changed (not where pipes cannot be measured: not Linux).
+    the queue was changed (on Linux only: the NOTE relies on how its pipes fill).
     """
-    if not ENABLED or _PIPE_SIZE is None or sys.platform != "linux" or queue._buffer:
+    if not ENABLED or sys.platform != "linux" or queue._buffer:
         return False
     queue.put = DirectPut(queue, count_sends)
     return True
