@@ -47,7 +47,7 @@ COMPARISONS = {
     "oom": False,
     "any_sample": False,
     "mix": False,
-    "transport": False,
+    "transport": True,
     "threads": False,
 }
 DEMO = tuple(name for name, in_demo in COMPARISONS.items() if in_demo)

@@ -54,7 +54,7 @@ EXPECTED_SECONDS = {
         "mix": 20,
         "transport": 20,
     },
-    "quick": {"pipeline": 45, "loader": 35, "cheap": 120, "transport": 110, "threads": 85},
+    "quick": {"pipeline": 45, "loader": 35, "cheap": 120, "transport": 20, "threads": 85},
     "full": {
         "cheap": 300,
         "loader": 95,

@@ -274,9 +274,58 @@ def pipeline_summary(result: dict) -> str:
     return "\n".join(lines)
 
 
+_TRANSPORT_KINDS = {
+    "pose64": "pose HDF5 fields, batch 64",
+    "pose256": "pose HDF5 fields, batch 256",
+    "tokens": "2048-token windows, batch 32",
+    "index": "an index, batch 256",
+    "images": "3x224x224 uint8, batch 64",
+}
+
+
+def transport_summary(result: dict) -> str:
+    """Batches from workers to the main process: each data kind, fastloader vs torch, with
+    the main process's CPU per batch (issue 30's table)."""
+    rows = result.get("rows") or []
+    if not rows:
+        return ""
+    header = ["data", "workers", "samples/s", "x torch", "main CPU ms/batch", "torch's"]
+    table = [
+        [
+            _TRANSPORT_KINDS.get(row["data"], row["data"]),
+            str(row["num_workers"]),
+            f"{row['fastloader_samples_per_s']:.0f}",
+            _ratio(row["vs_torch"]),
+            f"{row['fastloader_main_cpu_ms_per_batch']:.2f}",
+            f"{row['torch_main_cpu_ms_per_batch']:.2f}",
+        ]
+        for row in rows
+    ]
+    ratios = result.get("ratios", {})
+    rounds = result.get("config", {}).get("rounds", "?")
+    lines = [
+        "Batches from workers to the main process (fastloader vs torch's DataLoader, "
+        "persistent workers; 0 workers: in the main process):",
+        "",
+        _aligned(header, table),
+        "",
+        f"ratios: medians of {rounds} interleaved rounds' ratios (higher is better); main CPU: "
+        "the main process's CPU time per batch, what a GPU step loses to loading",
+    ]
+    in_process = ratios.get("pose64_2w_vs_fastloader_0w")
+    plain = ratios.get("pose64_0w_vs_plain_loop")
+    if in_process is not None and plain is not None:
+        lines.append(
+            f"pose, batch 64: 2 workers give {_ratio(in_process)} of fastloader's in-process "
+            f"rate; in-process, {_ratio(plain)} of a plain __getitems__ + collate loop"
+        )
+    return "\n".join(lines)
+
+
 def summary(results: dict, out: Path, plots: list[Path]) -> str:
     """What a person reads at the end of a run: the training pipeline (the headline), the
-    loader table, each other comparison's ratios in one line or two, where the results went."""
+    transport and loader tables, each other comparison's ratios in one line or two, where the
+    results went."""
     comparisons = results["comparisons"]
     load = results["machine"].get("load_average")
     lines = [
@@ -285,7 +334,12 @@ def summary(results: dict, out: Path, plots: list[Path]) -> str:
         + ")"
     ]
     shown = []
-    for name, render_one in (("pipeline", pipeline_summary), ("loader", loader_summary)):
+    shown_first = (
+        ("pipeline", pipeline_summary),
+        ("transport", transport_summary),
+        ("loader", loader_summary),
+    )
+    for name, render_one in shown_first:
         result = comparisons.get(name)
         if result and not result.get("skipped") and not result.get("error"):
             text = render_one(result)

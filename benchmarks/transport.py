@@ -1,16 +1,17 @@
 """The transport: batches from worker processes to the main process (issue 30's five data kinds).
 
-Each data kind runs with ``num_workers`` 0, 1 and 2 through torch's DataLoader
-(``persistent_workers=True`` with workers), ``fastloader.DataLoader`` (batches through
-shared-memory slots: NOTE [ Batch transport ] in fastloader/loader/transport/__init__.py) and
-``fastloader.DataLoader`` with torch's transport (``WorkerPoolIter.slots = False``: pickled
-batches, a shared-memory segment per tensor). The loaders take turns epoch by epoch
+Each data kind runs with ``num_workers`` 0, 1 and 2 (the demo, size quick: 0 and 2) through
+torch's DataLoader (``persistent_workers=True`` with workers), ``fastloader.DataLoader``
+(batches through shared-memory slots: NOTE [ Batch transport ] in
+fastloader/loader/transport/__init__.py) and, at sizes tiny and full, ``fastloader.DataLoader``
+with torch's transport (``WorkerPoolIter.slots = False``, ``pipes.ENABLED = False``: pickled
+batches, a shared-memory segment per tensor, queue feeder threads). The loaders take turns epoch by epoch
 (interleaved rounds, after a warm-up epoch that starts the workers); each ratio is the median
 of the per-round ratios of samples/s. Also per loader: the main process's CPU time per batch
 (``time.process_time``, all its threads) — what a GPU step loses to loading.
 
 - ``pose64``/``pose256``: a user's pose-style HDF5 file (benchmarks/any_sample.py's, 4 fields)
-  read in place by ``HDF5Dataset`` (batches of 64 and 256); the ``plain loop`` row is
+  read in place by ``HDF5Dataset`` (batches of 64 and, except in the demo, 256); the ``plain loop`` row is
   ``dataset.__getitems__(indices)`` + fastloader's ``default_collate`` in the same process,
   a shuffled order;
 - ``tokens``: 2048-token windows and targets sliced from a uint16 memmap (batch 32);
@@ -39,14 +40,18 @@ from benchmarks.cheap import IndexDataset, TokenWindows, _token_file
 from fastloader import DataLoader, HDF5Dataset
 from fastloader.datasets.collate import default_collate
 from fastloader.loader.iterators.worker_pool import WorkerPoolIter
+from fastloader.loader.transport import pipes
 
 # rounds, pose samples, token windows, index samples, images
 SIZES = {
     "tiny": (1, 512, 64, 2048, 128),
-    "quick": (3, 8192, 1024, 32_768, 1024),
+    "quick": (5, 20_000, 4096, 131_072, 3072),
     "full": (7, 20_000, 4096, 131_072, 4096),
 }
-WORKER_COUNTS = (0, 1, 2)
+#: num_workers compared at each size; and whether fastloader with torch's transport runs too
+#: (the quick size is the demo's table: 0 and 2 workers only)
+WORKER_COUNTS = {"tiny": (0, 1, 2), "quick": (0, 2), "full": (0, 1, 2)}
+WITH_PICKLED = {"tiny": True, "quick": False, "full": True}
 TORCH, OURS, PICKLED, PLAIN = "torch", "fastloader", "fastloader_pickled", "plain_loop"
 
 
@@ -92,13 +97,15 @@ def _epoch(loader: Any) -> tuple[float, float, int]:
     return time.perf_counter() - started, time.process_time() - cpu, batches
 
 
-def _loaders(dataset: Dataset, batch: int, workers: int, plain: bool) -> dict[str, Any]:
+def _loaders(
+    dataset: Dataset, batch: int, workers: int, plain: bool, pickled: bool
+) -> dict[str, Any]:
     common: dict[str, Any] = dict(batch_size=batch, shuffle=True, num_workers=workers)
     loaders: dict[str, Any] = {
         TORCH: TorchDataLoader(dataset, persistent_workers=workers > 0, **common),
         OURS: DataLoader(dataset, seed=0, **common),
     }
-    if workers:
+    if workers and pickled:
         loaders[PICKLED] = DataLoader(dataset, seed=0, **common)
     if plain and workers == 0:
         loaders[PLAIN] = PlainLoop(dataset, batch)
@@ -107,11 +114,12 @@ def _loaders(dataset: Dataset, batch: int, workers: int, plain: bool) -> dict[st
 
 def _interleaved(loaders: dict[str, Any], rounds: int) -> dict[str, list[tuple]]:
     for name, loader in loaders.items():  # warm-up: workers started, pages cached
-        WorkerPoolIter.slots = name != PICKLED  # read when the pool starts
+        # read when the pool starts: torch's transport is pickled batches and feeder threads
+        WorkerPoolIter.slots = pipes.ENABLED = name != PICKLED
         try:
             _epoch(loader)
         finally:
-            WorkerPoolIter.slots = True
+            WorkerPoolIter.slots = pipes.ENABLED = True
     results: dict[str, list[tuple]] = {name: [] for name in loaders}
     names = list(loaders)
     for round_ in range(rounds):
@@ -129,11 +137,12 @@ def _close(loaders: dict[str, Any]) -> None:
             loader._iterator = None  # stops torch's persistent workers
 
 
-def _compare(kind: str, dataset: Dataset, batch: int, rounds: int, plain: bool = False) -> list:
+def _compare(kind: str, dataset: Dataset, batch: int, size: str, plain: bool = False) -> list:
     rows = []
-    for workers in WORKER_COUNTS:
+    rounds = SIZES[size][0]
+    for workers in WORKER_COUNTS[size]:
         note(f"{kind}, {workers} workers")
-        loaders = _loaders(dataset, batch, workers, plain)
+        loaders = _loaders(dataset, batch, workers, plain, WITH_PICKLED[size])
         try:
             results = _interleaved(loaders, rounds)
         finally:
@@ -169,13 +178,12 @@ def run(size: str, workdir: Path) -> dict:
     torch.manual_seed(0)
     tokens = _token_file(workdir, windows)
     pose = HDF5Dataset(make_pose_file(workdir / f"pose-{poses}.h5", poses))
-    measured = {
-        "pose64": _compare("pose64", pose, 64, rounds, plain=True),
-        "pose256": _compare("pose256", pose, 256, rounds, plain=True),
-        "tokens": _compare("tokens", TokenWindows(tokens, windows), 32, rounds),
-        "index": _compare("index", IndexDataset(indices), 256, rounds),
-        "images": _compare("images", Images(images), 64, rounds),
-    }
+    measured = {"pose64": _compare("pose64", pose, 64, size, plain=True)}
+    if size != "quick":  # the demo's table: one batch size of pose
+        measured["pose256"] = _compare("pose256", pose, 256, size, plain=True)
+    measured["tokens"] = _compare("tokens", TokenWindows(tokens, windows), 32, size)
+    measured["index"] = _compare("index", IndexDataset(indices), 256, size)
+    measured["images"] = _compare("images", Images(images), 64, size)
     rows, ratios = [], {}
     for kind, kind_rows in measured.items():
         for row, _ in kind_rows:
@@ -187,14 +195,20 @@ def run(size: str, workdir: Path) -> dict:
             ratios.update(_in_process_ratios(kind, kind_rows))
     return {
         "comparison": "transport",
-        "config": {"rounds": rounds, "shuffle": True, "sizes": SIZES[size]},
+        "config": {
+            "rounds": rounds,
+            "shuffle": True,
+            "sizes": SIZES[size],
+            "num_workers": WORKER_COUNTS[size],
+        },
         "rows": rows,
         "ratios": ratios,
         "notes": [
             "vs_*: fastloader's samples/s over the named loader's, median of per-round ratios "
             f"({rounds} interleaved rounds after a warm-up epoch)",
-            "torch: persistent_workers=True with workers; fastloader_pickled: fastloader with "
-            "torch's transport (WorkerPoolIter.slots = False)",
+            "torch: persistent_workers=True with workers; fastloader_pickled (sizes tiny, full): "
+            "fastloader with torch's transport (WorkerPoolIter.slots = False, pipes.ENABLED "
+            "= False: pickled batches, queue feeder threads)",
             "*_main_cpu_ms_per_batch: the main process's CPU time (time.process_time, all its "
             "threads) per batch, median over rounds",
             "plain_loop: dataset.__getitems__ + default_collate in one process, same batches",

@@ -121,3 +121,28 @@ def test_plots_say_what_is_better_with_human_names_ratios_date_and_load() -> Non
     pipeline = pipeline_panel(results["comparisons"]["pipeline"])
     assert pipeline["labels"] == ["torch", "fastloader fused"] and pipeline["ratios"][1] == 1.87
     assert len(set(pipeline["colours"])) == 2  # the baseline stands out
+
+
+def test_the_demo_shows_the_transport_table_beside_the_pipeline(tmp_path: Path) -> None:
+    from benchmarks.report import transport_summary
+
+    row = {
+        "data": "pose64",
+        "num_workers": 2,
+        "fastloader_samples_per_s": 150000.0,
+        "vs_torch": 6.0,
+        "fastloader_main_cpu_ms_per_batch": 0.13,
+        "torch_main_cpu_ms_per_batch": 0.82,
+    }
+    transport = {
+        "rows": [row],
+        "ratios": {"pose64_2w_vs_fastloader_0w": 0.8, "pose64_0w_vs_plain_loop": 0.93},
+        "config": {"rounds": 5},
+    }
+    results = _results()
+    results["comparisons"]["transport"] = transport
+    text = summary(results, tmp_path, [])
+    table = transport_summary(transport)
+    assert table in text and text.index(table) < text.index("fastloader vs torch's DataLoader")
+    assert "pose HDF5 fields, batch 64" in table and "6.00x" in table and "0.82" in table
+    assert "0.80x of fastloader's in-process rate" in table
