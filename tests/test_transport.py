@@ -320,3 +320,20 @@ def test_a_forked_child_dropping_its_copy_of_a_batch_leaves_the_parents_slot_alo
     assert int((slots.table[:, 0] == READY).sum()) == held
     assert [b[0][:, 0].tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     loader.close()
+
+
+def test_stacking_into_a_batch_refuses_what_np_stack_refuses():
+    from fastloader.datasets.collate import stack_arrays
+
+    rows = [np.arange(6.0).reshape(2, 3) + i for i in range(4)]
+    out = np.empty((4, 2, 3))
+    stack_arrays(rows, out)
+    assert np.array_equal(out, np.stack(rows))
+    # same total size, other shapes: concatenating would fill `out` silently wrong
+    with pytest.raises(ValueError):
+        stack_arrays([np.zeros((1, 3)), np.zeros((3, 3))], np.empty((2, 2, 3)))
+    with pytest.raises(TypeError):
+        stack_arrays([np.zeros(3, np.int64)] * 2, np.empty((2, 3), np.int32))
+    scalars = [np.array(1.5), np.array(2.5)]
+    stack_arrays(scalars, scalars_out := np.empty(2))
+    assert scalars_out.tolist() == [1.5, 2.5]

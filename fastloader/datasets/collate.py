@@ -102,10 +102,30 @@ def _collate_column(values: list) -> Any:
         return torch_default_collate([torch.from_numpy(value) for value in values])
     out = torch.empty((len(values), *first.shape), dtype=_TORCH_DTYPES.get(dtype) or _dtype(dtype))
     try:  # raises for another shape or a dtype that would need a cast
-        np.stack(values, out=out.numpy(), casting="no")
+        stack_arrays(values, out.numpy())
     except (ValueError, TypeError):
         return torch_default_collate(values)  # torch's handling, or its error
     return out
+
+
+def stack_arrays(values: Sequence[np.ndarray], out: np.ndarray) -> None:
+    """``np.stack(values, out=out, casting="no")`` in about half the time: the shapes are
+    checked, then the arrays are concatenated into ``out`` seen as one long array (``stack``
+    makes a view per array first). A C-contiguous ``out`` is required for that view; any
+    other goes to ``np.stack``.
+
+    Raises:
+        ValueError: for arrays of different shapes (or a wrong ``out``).
+        TypeError: for a dtype that would need a cast.
+    """
+    shape = values[0].shape
+    if not shape or not out.flags.c_contiguous:
+        np.stack(values, out=out, casting="no")
+        return
+    for value in values:
+        if value.shape != shape:
+            raise ValueError(f"arrays of shapes {shape} and {value.shape} cannot be stacked")
+    np.concatenate(values, out=out.reshape((-1, *shape[1:])), casting="no")
 
 
 _TORCH_DTYPES: dict[np.dtype, torch.dtype] = {}

@@ -48,8 +48,10 @@ def _stack_arrays_later(batch: Any, *, collate_fn_map: Any = None) -> Any:
     elem = batch[0]
     dtype, shape = elem.dtype, elem.shape
     if dtype.kind in _PLAIN_KINDS and dtype.isnative:
-        for array in batch:
-            if type(array) is not np.ndarray or array.shape != shape or array.dtype != dtype:
+        for array in batch:  # (rows of one gather share one dtype object: ``is`` first)
+            if type(array) is not np.ndarray or array.shape != shape:
+                break
+            if array.dtype is not dtype and array.dtype != dtype:
                 break
         else:
             return Stack(list(batch), arrays=True)

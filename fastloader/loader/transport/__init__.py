@@ -3,7 +3,7 @@
 Who runs what: ``slots.py`` is the memory and its table (both sides), ``send.py`` runs in the
 workers, ``receive.py`` in the main process, ``pipes.py`` writes the queues' messages (tasks,
 descriptors) in the calling thread on both sides (NOTE [ Puts without a feeder thread ]).
-Imports: torch, NumPy and the standard library.
+Imports: torch, NumPy, the standard library and ``fastloader.datasets.collate`` (stacking).
 
 NOTE [ Batch transport ]
 

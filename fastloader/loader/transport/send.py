@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
+from fastloader.datasets.collate import stack_arrays
 from fastloader.loader.transport import receive
 from fastloader.loader.transport.receive import SCALARS, Leaf
 from fastloader.loader.transport.slots import (
@@ -53,7 +54,7 @@ class Stack:
 
     def write(self, target: torch.Tensor) -> None:
         if self.arrays:
-            np.stack(self.samples, out=target.numpy(), casting="no")
+            stack_arrays(self.samples, target.numpy())
         else:
             torch.stack(self.samples, out=target)
 
