@@ -101,6 +101,7 @@ PROBE_SAMPLES = 4096
 #: Mean seconds a probed sample takes from which every RNG stays seeded (NOTE [ Lazy seeding ]).
 EAGER_ABOVE_S = 200e-6
 
+_EVERY_RNG = list(range(len(SEEDERS)))
 _PROBED, _PROBE_NS, _USED = 0, 1, 2  # slots of SeedingMemory.shared; _USED + rng per RNG
 
 
@@ -282,7 +283,7 @@ class EachSampleSeeding:
     def _unseeded(self, getitem: Any, indices: list, epoch: int) -> list:
         # NOTE [ Lazy seeding ], unseeded batches: nothing is seeded; if no RNG moved and none
         # was read, no sample could tell, and the batch is the contract's.
-        every = list(range(len(SEEDERS)))
+        every = _EVERY_RNG
         before = [fingerprint() for fingerprint in FINGERPRINTS]
         samples: list = []
         reads = self._reads.__enter__()
@@ -299,6 +300,8 @@ class EachSampleSeeding:
             self.training.save_once(states_from_fingerprints(before))  # maybe drawn from
             raise
         reads.__exit__()
+        if not any(reads.read) and [fingerprint() for fingerprint in FINGERPRINTS] == before:
+            return samples  # the common case, without _found_use's bookkeeping
         if self._found_use(every, before, reads.read, indices):
             return self._again(getitem, indices, epoch, before)
         return samples

@@ -31,6 +31,9 @@ def batch_size(batch: Any) -> int:
     return 1 if size is None else size
 
 
+_SCALARS = frozenset((int, float, bool, str, bytes, type(None)))
+
+
 def _first_tensor_len(batch: Any) -> int | None:
     if isinstance(batch, torch.Tensor) and batch.is_nested:
         return batch.size(0)  # a nested tensor has no .shape
@@ -38,6 +41,8 @@ def _first_tensor_len(batch: Any) -> int | None:
         return batch.shape[0] if batch.ndim else 1
     if isinstance(batch, (tuple, list)):
         for item in batch:
+            if type(item) in _SCALARS:  # a list of numbers, strings: nothing to look into
+                continue
             size = _first_tensor_len(item)
             if size is not None:
                 return size
