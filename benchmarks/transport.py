@@ -5,15 +5,16 @@ torch's DataLoader (``persistent_workers=True`` with workers), ``fastloader.Data
 (batches through shared-memory slots: NOTE [ Batch transport ] in
 fastloader/loader/transport/__init__.py) and, at sizes tiny and full, ``fastloader.DataLoader``
 with torch's transport (``WorkerPoolIter.slots = False``, ``pipes.ENABLED = False``: pickled
-batches, a shared-memory segment per tensor, queue feeder threads). The loaders take turns epoch by epoch
-(interleaved rounds, after a warm-up epoch that starts the workers); each ratio is the median
+batches, a shared-memory segment per tensor, queue feeder threads). The loaders take turns
+epoch by epoch (interleaved rounds, after a warm-up epoch that starts the workers); each ratio
+is the median
 of the per-round ratios of samples/s. Also per loader: the main process's CPU time per batch
 (``time.process_time``, all its threads) — what a GPU step loses to loading.
 
 - ``pose64``/``pose256``: a user's pose-style HDF5 file (benchmarks/any_sample.py's, 4 fields)
-  read in place by ``HDF5Dataset`` (batches of 64 and, except in the demo, 256); the ``plain loop`` row is
-  ``dataset.__getitems__(indices)`` + fastloader's ``default_collate`` in the same process,
-  a shuffled order;
+  read in place by ``HDF5Dataset`` (batches of 64 and, except in the demo, 256); the
+  ``plain loop`` row is ``dataset.__getitems__(indices)`` + fastloader's ``default_collate``
+  in the same process, a shuffled order;
 - ``tokens``: 2048-token windows and targets sliced from a uint16 memmap (batch 32);
 - ``index``: ``dataset[i]`` returns ``i`` (batch 256);
 - ``images``: one 3x224x224 uint8 tensor per sample, a decoded image (batch 64).

@@ -27,8 +27,9 @@ rate for a user's HDF5 fields). Here a batch costs one copy, made in the worker:
   ``prefetch_factor`` 2 and a training loop that drops each batch, 3-4 regions per worker.
 * **Writing, and the commit.** The worker runs torch's own worker loop; only the collate
   function is wrapped (``SlotCollate``: torch's loop, fetchers, seeding, ``worker_init_fn``
-  and error wrapping stay torch's, and owning the loop would buy nothing measurable: the
-  loop's own cost is a queue get and put per batch). It collates, finds a FREE row with room,
+  and error wrapping stay torch's, and owning the loop would buy little: the loop's own cost
+  is a queue get and put per batch, the put written without the feeder thread, NOTE [ Puts
+  without a feeder thread ] in pipes.py). It collates, finds a FREE row with room,
   marks it WRITING, writes every array leaf of the batch into the region (with torch's
   ``default_collate`` the samples are stacked straight into the region: ``Stack`` in the
   iterators' collate hook, no intermediate batch tensor), marks the row READY, and only then
@@ -40,7 +41,11 @@ rate for a user's HDF5 fields). Here a batch costs one copy, made in the worker:
   A descriptor is a few hundred bytes (plus the non-array leaves: 64 file names add ~1.5
   KB), written to the pipe in one ``write`` (atomic up to PIPE_BUF, 4 KB), so the result pipe
   rarely carries a message that can tear; NOTE [ Torn results ] still guards the rest and
-  batches that travel the old way.
+  batches that travel the old way. A worker killed after READY and before its descriptor is
+  written leaves that row READY for good (the main process cannot tell it from a descriptor
+  still in the pipe, and freeing it could hand a live batch's memory back to the worker): one
+  region per such death, bounded by ``ROWS``, after which that worker slot's batches travel
+  torch's way, correct and slower.
 * **Reading, zero copy.** Unpickling a ``SlotBatch`` in the main process (wherever torch
   unpickles: the main thread, or the pin-memory thread) calls ``receive.rebuild``: it maps
   the region once (cached per row), wraps it in one buffer object per batch, and makes every
