@@ -83,3 +83,25 @@ def test_the_loaders_queues_write_directly_and_batches_are_right():
         assert iterator._worker_init_fn.result_queue is iterator._worker_result_queue
     finally:
         loader.close()
+
+
+class _Threads(torch.utils.data.Dataset):
+    """Each sample: whether this process runs a queue feeder thread while it loads."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, index):
+        import threading
+
+        return any(thread.name == "QueueFeederThread" for thread in threading.enumerate())
+
+
+def test_workers_send_results_without_a_feeder_thread():
+    # the first result of each worker went out before these samples load: had it gone through
+    # the queue's feeder, that thread would be running in the worker now
+    loader = DataLoader(_Threads(), batch_size=2, num_workers=2, seed=0)
+    try:
+        assert not any(flag for batch in loader for flag in batch.tolist())
+    finally:
+        loader.close()

@@ -227,3 +227,70 @@ def test_packed_datasets_seed_each_sample_while_reading_whole_batches(tmp_path):
     assert draws(dataset, 4, 2) == reference
     # Per-sample seeds: a sample's augmentation does not depend on the batch it falls in.
     assert draws(dataset, 3, 2) == reference
+
+
+class _Pure(torch.utils.data.Dataset):
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, index):
+        return index
+
+
+class _DrawsThenFails(torch.utils.data.Dataset):
+    """Draws from every RNG (so every sample is seeded), then fails at index 7."""
+
+    def __init__(self, error=ValueError):
+        self.error = error
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, index):
+        value = random.random() + np.random.rand() + torch.rand(1).item()
+        if index == 7:
+            raise self.error("sample 7")
+        return value
+
+
+class _Batched(_Pure):
+    def __getitems__(self, indices):
+        return [index + torch.rand(1).item() for index in indices]
+
+
+def _training_draws(batches):
+    """The training loop's draws between ``batches`` (a callable giving the next batch)."""
+    random.seed(0)
+    np.random.seed(0)
+    np.random.normal()  # a cached Gaussian the training loop owns
+    torch.manual_seed(0)
+    draws = []
+    for _ in range(4):
+        batches()
+        draws.append((random.random(), np.random.normal(), torch.rand(1).item()))
+    return draws
+
+
+@pytest.mark.parametrize(
+    "dataset",
+    [_Pure(), _DrawsThenFails(), _DrawsThenFails(KeyboardInterrupt), _Batched()],
+    ids=["unseeded", "seeded-raising", "interrupted", "batched"],
+)
+def test_the_training_loops_states_survive_every_kind_of_batch(dataset):
+    # rngs.TrainingStates: saved only when a batch seeds, put back however the batch ends
+    loader = DataLoader(dataset, batch_size=4, seed=1)
+    if isinstance(dataset, _Pure):
+        list(loader)  # the probe: from now on its batches are loaded unseeded
+    state = {"iterator": iter(loader), "raised": 0}
+
+    def next_batch():
+        try:
+            next(state["iterator"])
+        except (ValueError, KeyboardInterrupt) as error:
+            assert "sample 7" in str(error)
+            state["raised"] += 1
+        except StopIteration:
+            state["iterator"] = iter(loader)
+
+    assert _training_draws(next_batch) == _training_draws(lambda: None)
+    assert state["raised"] == (1 if isinstance(dataset, _DrawsThenFails) else 0)
