@@ -13,3 +13,10 @@ def paired_ratio(ours: Sequence[float], theirs: Sequence[float]) -> float:
     per-round ratio cancels it, where a ratio of two medians mixes rounds of different speeds.
     """
     return statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
+
+
+def rotated(names: Sequence[str], round_: int) -> list[str]:
+    """The order in which interleaved round ``round_`` runs ``names``: rotated by one each
+    round, so no loader always runs first (after another's cache or page-cache warm-up)."""
+    shift = round_ % len(names)
+    return [*names[shift:], *names[:shift]]

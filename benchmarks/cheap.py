@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset
 
 from benchmarks._progress import note
-from benchmarks._stats import paired_ratio
+from benchmarks._stats import paired_ratio, rotated
 from fastloader import DataLoader
 
 SIZES = {
@@ -138,8 +138,7 @@ def _interleaved(loaders: dict[str, Any], rounds: int) -> dict[str, list[float]]
     seconds: dict[str, list[float]] = {name: [] for name in loaders}
     names = list(loaders)
     for round_ in range(rounds):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in rotated(names, round_):
             seconds[name].append(_epoch_seconds(loaders[name]))
     return seconds
 

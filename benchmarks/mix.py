@@ -36,7 +36,7 @@ import numpy as np
 from torch.utils.data import ConcatDataset, Dataset
 
 from benchmarks._progress import note
-from benchmarks._stats import paired_ratio
+from benchmarks._stats import paired_ratio, rotated
 from benchmarks.cheap import IndexDataset, TokenWindows, _interleaved, _token_file
 from fastloader import DataLoader, Mix
 from fastloader.sampling.mix_order import MixOrder
@@ -100,8 +100,7 @@ def _cpu_rows(name: str, sources: dict[str, Dataset], batch: int, rounds: int) -
         _cpu_epoch(loader)  # warm-up
     names = list(loaders)
     for round_ in range(rounds):
-        shift = round_ % len(names)
-        for key in names[shift:] + names[:shift]:
+        for key in rotated(names, round_):
             seconds[key].append(_cpu_epoch(loaders[key]))
     samples = sum(len(ds) for ds in sources.values())
     row: dict[str, Any] = {"dataset": name, "num_workers": 0, "batch_size": batch}

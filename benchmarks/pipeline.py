@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 
 from benchmarks._photos import ImageFolderDataset, image_folder, packed
 from benchmarks._progress import advance, note, plan
-from benchmarks._stats import paired_ratio
+from benchmarks._stats import paired_ratio, rotated
 from fastloader import DataLoader, ImageFolder, LMDBDataset
 from fastloader import transforms as T
 
@@ -224,8 +224,7 @@ def run(size: str, workdir: Path) -> dict:
     plan(rounds * len(names))
     for round_ in range(rounds):
         note(f"round {round_ + 1} of {rounds}")
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in rotated(names, round_):
             rates[name].append(_steady_rate(loaders[name], skip))
             advance()
     for loader in loaders.values():

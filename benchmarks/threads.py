@@ -54,7 +54,7 @@ from torch.utils.data import Dataset
 
 from benchmarks._photos import image_folder, packed
 from benchmarks._progress import advance, note, plan
-from benchmarks._stats import paired_ratio
+from benchmarks._stats import paired_ratio, rotated
 from benchmarks.any_sample import make_pose_file
 from benchmarks.cheap import IndexDataset, TokenWindows, _token_file
 from benchmarks.pipeline import train_transform
@@ -194,8 +194,7 @@ def _interleaved(
     names = list(loaders)
     for round_ in range(rounds):
         note(f"{kind}, round {round_ + 1} of {rounds}")
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in rotated(names, round_):
             results[name].append(_epoch(loaders[name], skip))
         advance()
     return results

@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset
 
 from benchmarks._progress import note
-from benchmarks._stats import paired_ratio
+from benchmarks._stats import paired_ratio, rotated
 from benchmarks.any_sample import make_pose_file
 from benchmarks.cheap import IndexDataset, TokenWindows, _token_file
 from fastloader import DataLoader, HDF5Dataset
@@ -124,8 +124,7 @@ def _interleaved(loaders: dict[str, Any], rounds: int) -> dict[str, list[tuple]]
     results: dict[str, list[tuple]] = {name: [] for name in loaders}
     names = list(loaders)
     for round_ in range(rounds):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in rotated(names, round_):
             results[name].append(_epoch(loaders[name]))
     return results
 
