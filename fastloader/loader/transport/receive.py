@@ -100,7 +100,7 @@ def _fill(value: Any, arrays: list[Any]) -> Any:
     if kind is Leaf:
         return arrays[value.index]
     if kind is list or kind is tuple:
-        if value and type(value[0]) in SCALARS and all(type(v) in SCALARS for v in value):
+        if value and type(value[0]) in SCALARS and SCALARS.issuperset(map(type, value)):
             return value  # strings, numbers: no leaf inside
         items = [_fill(item, arrays) for item in value]
         return items if kind is list else tuple(items)

@@ -168,7 +168,7 @@ def _flatten(value: Any, leaves: list[Any]) -> Any:
         leaves.append(value)
         return Leaf(len(leaves) - 1)
     if kind is list or kind is tuple:
-        if value and type(value[0]) in SCALARS and all(type(v) in SCALARS for v in value):
+        if value and type(value[0]) in SCALARS and SCALARS.issuperset(map(type, value)):
             return value  # strings, numbers: pickled as they are
         items = [_flatten(item, leaves) for item in value]
         return items if kind is list else tuple(items)
