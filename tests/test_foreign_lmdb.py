@@ -17,8 +17,13 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from fastloader import DataLoader, LMDBDataset, PackError
-from fastloader.formats.lmdb_foreign import LMDBFile
+ROOT = str(Path(__file__).resolve().parents[1])
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks.fuzz_users import lmdb_tree_pages  # noqa: E402
+from fastloader import DataLoader, LMDBDataset, PackError  # noqa: E402
+from fastloader.formats.lmdb_foreign import LMDBFile  # noqa: E402
 
 PSIZE = 4096
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,24 +51,9 @@ def make_env(path: Path, count: int = 300, seed: int = 0, sub: bool = False) -> 
 
 
 def pages(data: bytes) -> dict[int, list[int]]:
-    """The main tree's pages by kind, walked from the root of the newest meta page: 1 branch,
-    2 leaf, 4 overflow (the first page of each value)."""
-    meta = max((0, PSIZE), key=lambda at: struct.unpack_from("<Q", data, at + 144)[0])
-    todo = [struct.unpack_from("<Q", data, meta + 16 + 24 + 48 + 40)[0]]
-    found: dict[int, list[int]] = {1: [], 2: [], 4: []}
-    while todo:
-        pgno = todo.pop(0)
-        base = pgno * PSIZE
-        _, _, flags, lower = struct.unpack_from("<QHHH", data, base)
-        found[flags].append(pgno)
-        for node in range((lower - 16) // 2):
-            (offset,) = struct.unpack_from("<H", data, base + 16 + 2 * node)
-            lo, hi, node_flags, ksize = struct.unpack_from("<HHHH", data, base + offset)
-            if flags == 1:
-                todo.append(lo | hi << 16 | node_flags << 32)
-            elif node_flags & 1:
-                found[4].append(struct.unpack_from("<Q", data, base + offset + 8 + ksize)[0])
-    return found
+    """The main tree's pages of the newest meta: 1 branch, 2 leaf, 4 overflow (the first page
+    of each value); the walker the structural fuzz uses (benchmarks/fuzz_users.py)."""
+    return lmdb_tree_pages(data)
 
 
 def read_in_child(path: Path) -> tuple[int, str]:
