@@ -108,11 +108,11 @@ def _collate_column(values: list) -> Any:
     return out
 
 
-def stack_arrays(values: Sequence[np.ndarray], out: np.ndarray) -> None:
+def stack_arrays(values: Sequence[np.ndarray], out: np.ndarray, same_shapes: bool = False) -> None:
     """``np.stack(values, out=out, casting="no")`` in about half the time: the shapes are
     checked, then the arrays are concatenated into ``out`` seen as one long array (``stack``
     makes a view per array first). A C-contiguous ``out`` is required for that view; any
-    other goes to ``np.stack``.
+    other goes to ``np.stack``. ``same_shapes``: the caller has checked the shapes already.
 
     Raises:
         ValueError: for arrays of different shapes (or a wrong ``out``).
@@ -122,7 +122,7 @@ def stack_arrays(values: Sequence[np.ndarray], out: np.ndarray) -> None:
     if not shape or not out.flags.c_contiguous:
         np.stack(values, out=out, casting="no")
         return
-    for value in values:
+    for value in () if same_shapes else values:
         if value.shape != shape:
             raise ValueError(f"arrays of shapes {shape} and {value.shape} cannot be stacked")
     np.concatenate(values, out=out.reshape((-1, *shape[1:])), casting="no")

@@ -54,7 +54,7 @@ class Stack:
 
     def write(self, target: torch.Tensor) -> None:
         if self.arrays:
-            stack_arrays(self.samples, target.numpy())
+            stack_arrays(self.samples, target.numpy(), same_shapes=True)  # slot_collate did
         else:
             torch.stack(self.samples, out=target)
 
