@@ -22,7 +22,10 @@ is torch's iterator, ``_BaseDataLoaderIter``) and rely on:
 - ``_BaseDataLoaderIter.__init__`` assigning ``self._dataset`` and ``self._collate_fn`` and
   the multiprocessing iterator reading ``self._worker_init_fn`` and ``self._collate_fn`` before
   it starts workers: they are properties here, so workers receive the seeded wrapper,
-  fastloader's init function and the slot collate (NOTE [ Batch transport ]);
+  fastloader's init function and the slot collate (NOTE [ Batch transport ]); and it
+  assigning ``self._worker_result_queue`` after ``_worker_init_fn`` and before starting
+  workers (a property too: the init function learns the queue each worker writes without a
+  feeder thread, NOTE [ Puts without a feeder thread ]; checked by tests/test_pipes.py);
 - ``_utils.collate.collate`` with a ``collate_fn_map``, ``collate_tensor_fn``,
   ``default_collate_fn_map`` and ``default_collate`` (the loader's default, recognised by
   identity): the slot collate is torch's collate with the tensor rule replaced;
