@@ -71,7 +71,9 @@ its own: it needs ``seed_rngs="always"``.
 Datasets with ``__getitems__`` are seeded once per batch and packed datasets
 (``getitems_with``) eagerly: both cost far more per sample than seeding. Cost of "auto" for a
 dataset without randomness, after the probe: two sets of fingerprints and the read wrappers
-per batch (about 9 us; with a collate_fn that may draw, two ``seed_rngs`` more, about 13 us);
+per batch (about 9 us in a microbenchmark, 20-25 us in a loader's loop, where the 10 KB of
+RNG state are read cold after the batch's data; with a collate_fn that may draw, the first
+sample seeded and a swap of all states around the batch instead);
 the probe costs about 14 us a sample, once per loader.
 """
 
@@ -283,7 +285,6 @@ class EachSampleSeeding:
     def _unseeded(self, getitem: Any, indices: list, epoch: int) -> list:
         # NOTE [ Lazy seeding ], unseeded batches: nothing is seeded; if no RNG moved and none
         # was read, no sample could tell, and the batch is the contract's.
-        every = _EVERY_RNG
         before = [fingerprint() for fingerprint in FINGERPRINTS]
         samples: list = []
         reads = self._reads.__enter__()
@@ -291,7 +292,7 @@ class EachSampleSeeding:
             samples.extend(map(getitem, indices))  # appends one by one: len tells who raised
         except Exception as error:
             reads.__exit__()
-            if self._found_use(every, before, reads.read, indices):  # maybe the cause
+            if self._found_use(_EVERY_RNG, before, reads.read, indices):  # maybe the cause
                 return self._again(getitem, indices, epoch, before)
             annotate(error, indices[len(samples)], epoch)
             raise
@@ -302,7 +303,7 @@ class EachSampleSeeding:
         reads.__exit__()
         if not any(reads.read) and [fingerprint() for fingerprint in FINGERPRINTS] == before:
             return samples  # the common case, without _found_use's bookkeeping
-        if self._found_use(every, before, reads.read, indices):
+        if self._found_use(_EVERY_RNG, before, reads.read, indices):
             return self._again(getitem, indices, epoch, before)
         return samples
 
