@@ -35,6 +35,8 @@ from PIL import Image
 from torch.utils.data import default_collate as torch_default_collate
 from torch.utils.data import get_worker_info
 
+from fastloader.datasets.columns import ColumnBatch, gathered, whole
+
 __all__ = ["RaggedFieldError", "default_collate", "pad_ragged", "ragged_as_lists"]
 
 
@@ -52,6 +54,8 @@ def default_collate(batch: Sequence[Any]) -> Any:
         RaggedFieldError: when a field's arrays differ in shape across the batch.
         TypeError: as torch's, naming ``decode=`` when a field holds PIL images.
     """
+    if type(batch) is ColumnBatch:  # NOTE [ Batches read by columns ]
+        return _collate_columns(batch)
     try:
         if batch and type(batch[0]) is dict:
             return {key: _collate_column([sample[key] for sample in batch]) for key in batch[0]}
@@ -85,6 +89,19 @@ def default_collate(batch: Sequence[Any]) -> Any:
 # allocates the batch in shared memory: moving a tensor made here into shared memory costs
 # about ten times more (a copy and fresh pages: measured 5 ms vs 0.5 ms for 300 KB). Any other
 # column, and any other sample structure, goes to torch's default_collate.
+
+
+def _collate_columns(batch: ColumnBatch) -> dict[str, Any]:
+    in_worker = get_worker_info() is not None  # there torch's collate allocates in shared memory
+    try:
+        return {
+            name: torch.from_numpy(gathered(column))
+            if not in_worker and whole(column)
+            else _collate_column(list(gathered(column)))
+            for name, column in batch.columns.items()
+        }
+    except (TypeError, RuntimeError):
+        return default_collate(batch.samples())  # the samples' error, naming the field
 
 
 def _collate_column(values: list) -> Any:

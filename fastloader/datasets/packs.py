@@ -221,7 +221,7 @@ class HDF5Dataset(HDF5Pack, PackedDataset):
 
 # NOTE [ Packs or users' own files ]
 # One name opens both: `HDF5Dataset("pose.h5")` on a user's file must not fail with "not a
-# fastloader pack". The class's __new__ looks at the file first (formats.hdf5_foreign.
+# fastloader pack". The class's __new__ looks at the file first (formats.hdf5.
 # is_hdf5_pack, formats.lmdb_foreign.is_lmdb_pack: the top-level names, or the first and last
 # keys) and returns the foreign dataset for anything that is not laid out as a pack; Python then
 # skips __init__, since the object is not an HDF5Dataset. A damaged, truncated or interrupted
@@ -256,7 +256,7 @@ def _foreign(path: Any, backend: str) -> bool:
     if not isinstance(path, (str, os.PathLike)) or not os.path.exists(path):
         return False  # the pack reader raises the error
     if backend == "hdf5":
-        from fastloader.formats.hdf5_foreign import is_hdf5_pack
+        from fastloader.formats.hdf5 import is_hdf5_pack
 
         return not os.path.isdir(path) and not is_hdf5_pack(path)
     from fastloader.formats.lmdb_foreign import is_lmdb_pack

@@ -15,6 +15,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
+from fastloader.datasets.columns import ColumnBatch
 from fastloader.formats.hdf5_foreign import HDF5File
 from fastloader.formats.lmdb_foreign import LMDBFile
 
@@ -103,6 +104,14 @@ class HDF5FileDataset(_SampleTransforms, HDF5File, Dataset):
         if self.transform is None and not self.as_tuple:  # the dicts as read: the fast path
             return self.read_many(indices)
         return super().getitems_with(indices, before_each)
+
+    def read_batch_columns(self, indices: Sequence[int]) -> ColumnBatch | None:
+        """The samples ``indices`` as one ``ColumnBatch`` for the loader's default collate
+        (NOTE [ Batches read by columns ]); None when samples are transformed or tuples, or
+        ``indices`` is empty. Raises as ``read_many``."""
+        if self.transform is not None or self.as_tuple or not len(indices):
+            return None
+        return ColumnBatch(self.read_columns(indices, later=True), len(indices))
 
 
 class LMDBFileDataset(_SampleTransforms, LMDBFile, Dataset):

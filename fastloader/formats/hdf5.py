@@ -38,11 +38,33 @@ import numpy as np
 from fastloader.formats.metadata import check_array, check_targets, load_metadata
 from fastloader.formats.packfile import PackFile, PackWriter
 from fastloader.formats.records import PackError
+from fastloader.formats.signatures import HDF5_SIGNATURE
 
 _COPY_BYTES = 64 << 20
 _UINT8, _INT64 = np.dtype("uint8"), np.dtype("<i8")
 _REQUIRED = {"records": _UINT8, "offsets": _INT64, "targets": _INT64, "metadata": _UINT8}
 _SOURCES = {"sources": _UINT8, "source_offsets": _INT64}
+#: Every top-level name a pack has: a file with any other is a user's own (``is_hdf5_pack``).
+_PACK_NAMES = frozenset({**_REQUIRED, **_SOURCES})
+
+
+def is_hdf5_pack(path: str | os.PathLike) -> bool:
+    """Whether ``path`` should be opened as a fastloader pack rather than a user's own file.
+
+    True for a file that is not HDF5 at all, that h5py cannot open, or whose top-level names are
+    all names a pack uses (an interrupted pack has none): the pack reader then says what is
+    wrong. False for an HDF5 file with any other top-level name.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as file:
+            if file.read(len(HDF5_SIGNATURE)) != HDF5_SIGNATURE:
+                return True
+        with h5py.File(path, "r") as file:
+            names = set(file.keys())
+    except Exception:  # noqa: BLE001 - the pack reader reports what is wrong with it
+        return True
+    return names <= _PACK_NAMES
 
 
 class _Handle:

@@ -61,13 +61,12 @@ import h5py
 import numpy as np
 
 from fastloader.formats.hdf5_heap import HEAP_ID_SIZE, check_heap_ids
+from fastloader.formats.mapped_rows import MappedRows
 from fastloader.formats.packfile import ForkSafeFile, check_file, file_identity, sample_row
 from fastloader.formats.records import PackError
-from fastloader.formats.signatures import HDF5_SIGNATURE
 
-__all__ = ["HDF5File", "is_hdf5_pack"]
+__all__ = ["HDF5File"]
 
-_PACK_NAMES = frozenset(("records", "offsets", "targets", "metadata", "sources", "source_offsets"))
 _MAX_INFLATION = 1032  # deflate's largest ratio: a row larger than that is not in the file
 
 
@@ -78,25 +77,6 @@ class _Field(NamedTuple):
     row_shape: tuple[int, ...]
     offset: int | None  # where its bytes start in the file, when mapped; None: read by h5py
     heap_ids: int | None = None  # variable-length strings: where their heap IDs start
-
-
-def is_hdf5_pack(path: str | os.PathLike) -> bool:
-    """Whether ``path`` should be opened as a fastloader pack rather than a user's own file.
-
-    True for a file that is not HDF5 at all, that h5py cannot open, or whose top-level names are
-    all names a pack uses (an interrupted pack has none): the pack reader then says what is
-    wrong. False for an HDF5 file with any other top-level name.
-    """
-    path = Path(path)
-    try:
-        with open(path, "rb") as file:
-            if file.read(len(HDF5_SIGNATURE)) != HDF5_SIGNATURE:
-                return True
-        with h5py.File(path, "r") as file:
-            names = set(file.keys())
-    except Exception:  # noqa: BLE001 - the pack reader reports what is wrong with it
-        return True
-    return names <= _PACK_NAMES
 
 
 def _short(error: BaseException) -> str:
@@ -378,34 +358,47 @@ class HDF5File(ForkSafeFile):
         return self.read_many(indices)
 
     def read_many(self, indices: Sequence[int]) -> list[dict[str, Any]]:
-        """Samples ``indices``, in order: one read per field for the whole batch.
+        """Samples ``indices``, in order: one read per field for the whole batch. Raises
+        IndexError for an index out of range; PackError if the file changed since the dataset
+        was created, or HDF5 fails."""
+        columns = self.read_columns(indices)
+        return [
+            {name: values[at] for name, values in columns.items()} for at in range(len(indices))
+        ]
 
-        Raises:
-            IndexError: for an index out of range.
-            PackError: if the file changed since the dataset was created, or HDF5 fails.
-        """
+    def read_columns(self, indices: Sequence[int], later: bool = False) -> dict[str, Any]:
+        """``read_many`` by field: an array of the rows (native byte order) per array field,
+        a list of the values per number or string field; with ``later``, ``MappedRows`` for
+        mapped native fields, gathered by the caller. Raises as ``read_many``."""
         rows = self._rows(indices)
         handle = self._handle_here()
         self._check_unchanged()  # every batch: NOTE [ A file changed under a reader ]
         columns = {}
         for field in self.fields:
             try:
-                columns[field.name] = self._column(handle, field, rows)
+                columns[field.name] = self._column(handle, field, rows, later)
             except PackError:
                 raise
             except Exception as error:  # noqa: BLE001 - h5py on a damaged file: anything
                 raise PackError(
                     f"{self.path}: reading dataset {field.name!r} failed ({_short(error)})"
                 ) from None
-        return [{name: column[at] for name, column in columns.items()} for at in range(len(rows))]
+        return columns
 
-    def _column(self, handle: _Handle, field: _Field, rows: np.ndarray) -> list:
+    def _column(self, handle: _Handle, field: _Field, rows: np.ndarray, later: bool) -> Any:
         if field.offset is not None:
             mapped = handle.mapped.get(field.name)
             if mapped is None:  # made once per open file
                 mapped = handle.mapped[field.name] = np.frombuffer(
                     handle.map, field.dtype, self._count * _items(field.row_shape), field.offset
                 ).reshape((self._count, *field.row_shape))
+            if (
+                later
+                and field.kind == "array"
+                and mapped.dtype.isnative
+                and not mapped.dtype.fields
+            ):
+                return MappedRows(mapped, rows)
             values = mapped[rows]  # one gather, a copy: NOTE [ Mapped rows ]
         else:
             self._check_heap(handle, field, rows, self._count)
@@ -416,7 +409,7 @@ class HDF5File(ForkSafeFile):
             values = values.astype(values.dtype.newbyteorder("="))
         if field.kind == "scalar":
             return values.tolist()
-        return list(values)
+        return values
 
     def _read_sorted(self, dataset: h5py.Dataset, rows: np.ndarray) -> np.ndarray:
         """``dataset[rows]`` in one h5py read: HDF5 wants increasing, distinct indices."""

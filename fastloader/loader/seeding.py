@@ -83,6 +83,8 @@ def seeding_options(loader: Any) -> dict[str, Any]:
         "seed_rngs": loader.seed_rngs,
         "collate_may_draw": all(loader.collate_fn is not fn for fn in drawless),
         "memory": memory,
+        # the collate that takes a batch read by columns: NOTE [ Batches read by columns ]
+        "columns": loader.collate_fn is collate.default_collate,
     }
 
 
@@ -192,6 +194,7 @@ class SeededDataset:
         busy: Any = None,
         collate_may_draw: bool = True,
         memory: SeedingMemory | None = None,
+        columns: bool = False,
     ) -> None:
         self.dataset = dataset
         self.seed = seed
@@ -204,6 +207,8 @@ class SeededDataset:
         # a dataset that seeds each sample of a batch read (getitems_with), maybe under Subsets
         self._reader, self._subsets = batch_reader(dataset)
         self._seeds_each_in_batch = self._reader is not None
+        # NOTE [ Batches read by columns ]: for the default collate, what the reader offers
+        self._read_columns = getattr(self._reader, "read_batch_columns", None) if columns else None
         self._batched = not self._seeds_each_in_batch and not loads_each_sample(dataset)
         self._each = EachSampleSeeding(  # NOTE [ Lazy seeding ]
             seed,
@@ -301,6 +306,10 @@ class SeededDataset:
                 seed_rngs(_mix64(key ^ _index_key(index)))  # == sample_seed(seed, epoch, index)
 
         try:
+            if self._read_columns is not None:  # no code of the user's runs per sample
+                batch = self._read_columns(read)
+                if batch is not None:
+                    return batch
             return self._reader.getitems_with(read, seed_sample)
         except Exception as error:
             annotate(error, current[0], epoch)

@@ -19,7 +19,9 @@ import torch
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
 from fastloader.datasets.collate import default_collate as fastloader_default_collate
-from fastloader.loader.transport.send import Stack
+from fastloader.datasets.columns import ColumnBatch, whole
+from fastloader.formats.mapped_rows import MappedRows
+from fastloader.loader.transport.send import Gather, Stack
 
 _PLAIN_KINDS = "biufc"  # NumPy dtype kinds torch takes as they are
 
@@ -65,9 +67,24 @@ DEFAULTS = (torch.utils.data.default_collate, fastloader_default_collate)
 def default_collate_into_slots(batch: Any) -> Any:
     """``default_collate(batch)``, its stacked tensors left as ``Stack`` placeholders."""
     try:
+        if type(batch) is ColumnBatch:  # NOTE [ Batches read by columns ]
+            return _collate_columns(batch)
         return collate(batch, collate_fn_map=_MAP)
     except (RuntimeError, TypeError):
+        if type(batch) is ColumnBatch:
+            batch = batch.samples()
         return fastloader_default_collate(batch)  # its error, naming ragged fields
+
+
+def _collate_columns(batch: ColumnBatch) -> dict[str, Any]:
+    # a numeric column is the batch tensor: the transport copies it into the slot whole, and
+    # gathers a mapped field's rows straight into it
+    return {
+        name: (Gather(column) if type(column) is MappedRows else torch.from_numpy(column))
+        if whole(column)
+        else collate(list(column), collate_fn_map=_MAP)
+        for name, column in batch.columns.items()
+    }
 
 
 def into_slots(collate_fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
