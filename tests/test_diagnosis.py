@@ -141,7 +141,15 @@ def _epoch(**fields) -> EpochStats:
         (dict(wait_s=0.05, workers=2, worker_busy_s=0.2), "the model is the bottleneck"),
         (dict(wait_s=0.9, workers=2, worker_busy_s=1.96), "workers are busy 98% of the time: add"),
         (dict(wait_s=0.9, workers=4, worker_busy_s=0.8), "busy only 20% of the time, yet"),
+        (  # 0.05 ms a batch: cheaper to load than to hand over from a worker
+            dict(wait_s=0.9, workers=2, worker_busy_s=0.05, batches=1000),
+            "a batch in 0.05 ms, less than handing it to the training process costs it",
+        ),
         (dict(wait_s=0.9, workers=0), "set num_workers > 0"),
+        (  # 0.12 ms a batch in the training process: workers would not help
+            dict(wait_s=0.6, workers=0, batches=5000),
+            "nothing to change: a batch loads in 0.12 ms in the training process",
+        ),
         (dict(wait_s=0.1, iter_wait_s=0.6, workers=2, worker_busy_s=0.4), "epoch's start"),
         (dict(wait_s=0.9, device_wait_s=0.7, workers=2, worker_busy_s=0.4), "copy to the device"),
     ],

@@ -41,6 +41,10 @@ only advice that would change the numbers, else says "nothing to change" and why
   (uint8, normalised on the GPU with ``device_transform`` unless it already is);
 - busy workers that already use every CPU but the training process's: not "add workers" but
   cheaper samples;
+- idle workers whose batches cost less to load than to hand over (``CHEAP_BATCH_S``): not
+  "raise prefetch_factor" but ``num_workers=0``; and with ``num_workers=0``, batches that
+  load faster than a worker's would be received (``HANDOVER_S``): nothing to change (not
+  "add workers", which would send the user back);
 - reads from storage of data that fits in the page cache (``formats.advice.fits_in_memory``):
   a first read, nothing to change; only data bigger than that memory gets "does not fit".
 Without settings (``timed_iter`` over another loader) the advice is the general one.
@@ -56,6 +60,14 @@ from fastloader.formats.advice import fits_in_memory
 INPUT_BOUND_THRESHOLD = 0.10
 #: Workers busier than this share of their time cannot load faster: add workers.
 BUSY_WORKERS = 0.80
+#: What receiving a batch from a worker costs the training process, about (0.13 ms on the
+#: 2-core box: benchmarks/results/transport-columns-full.md): a batch that loads in the
+#: training process (collate and loop included) faster than this is cheaper there.
+HANDOVER_S = 0.15e-3
+#: Workers that spend less than this in the dataset per batch: cheaper in the training
+#: process. Lower than ``HANDOVER_S`` by the collate and the loop, which workers' busy time
+#: leaves out, so that following the advice does not get "set num_workers > 0" back.
+CHEAP_BATCH_S = 0.1e-3
 #: An epoch of fewer batches than this pays its start (iter(), the first batch) over too few
 #: batches to tell a slow start from a short epoch: nothing to change.
 SHORT_EPOCH_BATCHES = 20
@@ -82,6 +94,13 @@ def next_step(stats: Any) -> str:
     if largest == "device":
         return _device_advice(settings)
     if stats.workers == 0:
+        load_s = stats.wait_s / stats.batches
+        if load_s < HANDOVER_S:  # workers would cost the training process more
+            return (
+                f"nothing to change: a batch loads in {1000 * load_s:.2f} ms in the training "
+                f"process, less than receiving it from a worker would cost it (about "
+                f"{1000 * HANDOVER_S:.2f} ms)"
+            )
         return "samples are loaded in the training process: set num_workers > 0"
     if largest == "start":
         return _start_advice(stats, settings)
@@ -159,6 +178,13 @@ def _worker_advice(stats: Any, settings: Any) -> str:
                 "workers would share the same CPUs"
             )
         return f"workers are busy {100 * busy:.0f}% of the time: add workers or {cheaper}"
+    load_s = busy * stats.workers * stats.wall_s / stats.batches  # per batch, in the workers
+    if load_s < CHEAP_BATCH_S:
+        return (
+            f"workers load a batch in {1000 * load_s:.2f} ms, less than handing it to the "
+            f"training process costs it (about {1000 * HANDOVER_S:.2f} ms): num_workers=0 "
+            "loads faster and leaves training more CPU"
+        )
     return (
         f"workers are busy only {100 * busy:.0f}% of the time, yet training waits: batches "
         "are slow to reach the training process (return tensors, not Python objects; "
