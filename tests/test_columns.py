@@ -137,3 +137,29 @@ def test_a_column_that_does_not_collate_raises_the_samples_error(tmp_path):
     assert str(columns_error.value) == str(samples_error.value)
     with pytest.raises(TypeError, match=str(samples_error.value)[:40]):
         list(DataLoader(dataset, batch_size=2, num_workers=1))
+
+
+class WithArea(HDF5FileDataset):
+    """A user's subclass that adds a field per sample."""
+
+    def read_many(self, indices):
+        samples = super().read_many(indices)
+        for sample in samples:
+            sample["area"] = float(sample["part"].sum())
+        return samples
+
+
+class Renamed(HDF5FileDataset):
+    """A subclass that changes nothing about its samples: still read by columns."""
+
+    note = "mine"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_subclass_that_reads_its_own_way_gets_its_own_samples(every_kind, workers):
+    dataset = WithArea(every_kind)
+    assert dataset.read_batch_columns([1, 2]) is None
+    got = list(DataLoader(dataset, batch_sampler=BATCHES, num_workers=workers))
+    assert_same_batch(got, reference(dataset, BATCHES))
+    assert got[0]["area"].dtype == torch.float64
+    assert type(Renamed(every_kind).read_batch_columns([1, 2])) is ColumnBatch

@@ -107,11 +107,22 @@ class HDF5FileDataset(_SampleTransforms, HDF5File, Dataset):
 
     def read_batch_columns(self, indices: Sequence[int]) -> ColumnBatch | None:
         """The samples ``indices`` as one ``ColumnBatch`` for the loader's default collate
-        (NOTE [ Batches read by columns ]); None when samples are transformed or tuples, or
-        ``indices`` is empty. Raises as ``read_many``."""
+        (NOTE [ Batches read by columns ]); None when samples are transformed or tuples,
+        ``indices`` is empty, or a subclass reads samples its own way. Raises as
+        ``read_many``."""
         if self.transform is not None or self.as_tuple or not len(indices):
             return None
+        kind = type(self)
+        if kind is not HDF5FileDataset and any(  # a subclass's samples: its own methods
+            getattr(kind, name) is not getattr(HDF5FileDataset, name) for name in _READS
+        ):
+            return None
         return ColumnBatch(self.read_columns(indices, later=True), len(indices))
+
+
+#: What makes an ``HDF5FileDataset``'s samples: a subclass that overrides any of them does not
+#: get its batches read by columns.
+_READS = ("getitems_with", "read_many", "read_columns", "_shape", "__getitems__", "__getitem__")
 
 
 class LMDBFileDataset(_SampleTransforms, LMDBFile, Dataset):
