@@ -32,7 +32,9 @@ rate for a user's HDF5 fields). Here a batch costs one copy, made in the worker:
   without a feeder thread ] in pipes.py). It collates, finds a FREE row with room,
   marks it WRITING, writes every array leaf of the batch into the region (with torch's
   ``default_collate`` the samples are stacked straight into the region: ``Stack`` in the
-  iterators' collate hook, no intermediate batch tensor), marks the row READY, and only then
+  iterators' collate hook, no intermediate batch tensor; a user's HDF5 file read by columns
+  has its mapped fields gathered straight into it: ``Gather``, NOTE [ Batches read by
+  columns ] in datasets/columns.py), marks the row READY, and only then
   returns a ``SlotBatch``: the row, its offset and capacity, the layout (dtype, shape, offset
   of each leaf) and the skeleton of the batch with the non-array leaves (strings, numbers in
   lists, user objects), which is all that is pickled. A worker killed before READY has sent
