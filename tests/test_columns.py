@@ -21,14 +21,15 @@ BATCHES = [[3, 1, 4, 1, 5], [9, 2, 6], [0], [5, 3, 5, 8, 9, 7, 9, 19], [-1, 10]]
 
 @pytest.fixture
 def every_kind(tmp_path):
-    """One field of each kind a user's file gives: arrays (mapped, big-endian, chunked), numbers
-    of three types, strings (variable, fixed, two per row)."""
+    """One field of each kind a user's file gives: arrays (mapped, big-endian, chunked, empty
+    rows), numbers of three types, strings (variable, fixed, two per row)."""
     rng = np.random.default_rng(3)
     path = tmp_path / "kinds.h5"
     with h5py.File(path, "w") as file:
         file["image"] = rng.integers(0, 256, (COUNT, 6, 5, 3), np.uint8)
         file["part"] = rng.random((COUNT, 14, 2), np.float32)
         file["big"] = rng.random((COUNT, 3)).astype(">f4")
+        file["none"] = np.zeros((COUNT, 0), np.float32)  # rows of no value
         file["label"] = rng.integers(-5, 1000, COUNT)
         file["score"] = rng.random(COUNT, np.float32)
         file["flag"] = rng.random(COUNT) > 0.5
