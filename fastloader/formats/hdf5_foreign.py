@@ -404,7 +404,11 @@ class HDF5File(ForkSafeFile):
             self._check_heap(handle, field, rows, self._count)
             values = self._read_sorted(handle.dataset(field.name), rows)
         if field.kind == "str":  # a str per row; a nested list of str for (N, k, ...) rows
-            return [_text(value) for value in values.tolist()]
+            texts = values.tolist()
+            try:  # rows of one bytes string each, the usual: decoded without _text's checks
+                return [text.decode("utf-8", "surrogateescape") for text in texts]
+            except AttributeError:
+                return [_text(value) for value in texts]
         if not values.dtype.isnative and values.dtype.fields is None:  # torch wants native
             values = values.astype(values.dtype.newbyteorder("="))
         if field.kind == "scalar":
