@@ -66,6 +66,8 @@ class DataLoader(TorchDataLoader[T_co]):
       ``(seed, e)``, so workers can load the next epoch while this one finishes.
     - ``loader.epoch`` is the current epoch; samplers with ``set_epoch`` get it before each one.
     - ``state_dict()``/``load_state_dict()`` resume exactly in the middle of an epoch.
+    - Without ``prefetch_factor``, each worker keeps 2 to 8 batches in flight, as many as
+      fit in about 32 MB (measured from the first batch); a ``prefetch_factor`` given is kept.
     - Workers are supervised: one that dies (OOM killer, segfault, Ctrl-C) is replaced and its
       batches re-loaded, identical; a sample that kills its worker 3 times raises
       ``PoisonSampleError`` for its batch. ``iter(loader)`` is torch's iterator class.
@@ -190,6 +192,8 @@ class DataLoader(TorchDataLoader[T_co]):
         )
         self.seed = seed
         self.seed_rngs = seed_rngs
+        # NOTE [ Prefetch depth by batch bytes ] in loader/prefetch_depth.py
+        self._prefetch_by_bytes = prefetch_factor is None
         # where the loader is: epoch, position, resume target (NOTE [ The epoch cursor ] in
         # loader/cursor.py); `epoch` is a property over it
         self._cursor = EpochCursor()

@@ -38,7 +38,8 @@ is torch's iterator, ``_BaseDataLoaderIter``) and rely on:
   ``(self._send_idx, task)``;
 - ``_next_data()``, ``_reset(loader)``, ``_try_put_index()``, ``_process_data()``,
   ``_get_data()``, ``_try_get_data()``, ``_shutdown_workers()`` and the state ``_send_idx``,
-  ``_rcvd_idx``, ``_task_info``, ``_tasks_outstanding``, ``_prefetch_factor``, ``_in_order``,
+  ``_rcvd_idx``, ``_task_info``, ``_tasks_outstanding``, ``_prefetch_factor`` (also set,
+  once: NOTE [ Prefetch depth by batch bytes ]), ``_in_order``,
   ``_workers``, ``_index_queues``, ``_worker_result_queue``, ``_workers_done_event``,
   ``_workers_status``, ``_base_seed``, ``_shared_seed``, ``_worker_pids_set``, ``_shutdown``;
 - ``_utils.worker._worker_loop``'s argument list (replacement workers are started with it),

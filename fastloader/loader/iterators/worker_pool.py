@@ -33,6 +33,7 @@ from fastloader.loader.iterators.common import (
     schedule_for,
 )
 from fastloader.loader.iterators.slot_collate import into_slots
+from fastloader.loader.prefetch_depth import prefetch_depth
 from fastloader.loader.result_queue import guard_reads
 from fastloader.loader.seeding import Task, seeding_options
 from fastloader.loader.supervision import (
@@ -103,6 +104,9 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
         self._epoch = epoch
         self._delivered = skip
         self._epoch_done = False
+        # from the first batch's bytes, unless the user chose: NOTE [ Prefetch depth by batch
+        # bytes ] in loader/prefetch_depth.py
+        self._depth_pending = self._schedule is not None and loader._prefetch_by_bytes
         started = time.perf_counter()
         super().__init__(loader)
         self.startup_s = time.perf_counter() - started
@@ -263,7 +267,12 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
         self._delivered += 1
         if self._reseeded is not None and self._reseeded.value:
             self._warn_reseeded()
-        return super()._process_data(data, worker_idx)
+        batch = super()._process_data(data, worker_idx)
+        if self._depth_pending:  # NOTE [ Prefetch depth by batch bytes ]
+            self._depth_pending = False
+            self._prefetch_factor = prefetch_depth(batch)
+            self._fill()
+        return batch
 
     def _warn_reseeded(self) -> None:
         self._reseeded = None

@@ -23,8 +23,9 @@ rate for a user's HDF5 fields). Here a batch costs one copy, made in the worker:
   are made by the worker on demand: the first batch sizes the first one (plus 1/8 for ragged
   batches), a batch that fits no free region gets a bigger one (the smallest free row's old
   region is handed back to the system: ``MADV_REMOVE``), so memory in use is about
-  (batches in flight + batches the user holds) x batch bytes per worker: with
-  ``prefetch_factor`` 2 and a training loop that drops each batch, 3-4 regions per worker.
+  (batches in flight + batches the user holds) x batch bytes per worker: with the default
+  depth (NOTE [ Prefetch depth by batch bytes ]: 2 to 8 batches in flight, about 32 MB of
+  them per worker) and a training loop that drops each batch, depth + 1-2 regions.
 * **Writing, and the commit.** The worker runs torch's own worker loop; only the collate
   function is wrapped (``SlotCollate``: torch's loop, fetchers, seeding, ``worker_init_fn``
   and error wrapping stay torch's, and owning the loop would buy little: the loop's own cost
