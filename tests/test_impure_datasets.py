@@ -127,6 +127,7 @@ def test_getitem_runs_once_per_delivered_sample(num_workers, persistent):
     kwargs = {"num_workers": num_workers}
     if num_workers:
         kwargs["persistent_workers"] = persistent
+        kwargs["prefetch_factor"] = 2
     with DataLoader(Counted(96, counts), batch_size=8, seed=2, **kwargs) as loader:
         delivered = sum(len(batch) for _ in range(3) for batch in loader)
     assert delivered == 3 * 96
@@ -136,6 +137,17 @@ def test_getitem_runs_once_per_delivered_sample(num_workers, persistent):
         assert calls[32:] == [3] * 64 and set(calls[:32]) <= {3, 4}
     else:
         assert calls == [3] * 96
+
+
+def test_batches_in_flight_go_one_epoch_ahead_at_most():
+    # 12 batches an epoch, up to 16 in flight (NOTE [ Prefetch depth by batch bytes ]): only
+    # the next epoch is loaded ahead, never one after it, drained and loaded again
+    counts = multiprocessing.Array("q", 96)
+    with DataLoader(Counted(96, counts), batch_size=8, seed=2, num_workers=2) as loader:
+        delivered = sum(len(batch) for _ in range(3) for batch in loader)
+        assert loader._iterator._prefetch_factor == 8
+    assert delivered == 3 * 96
+    assert set(counts) <= {3, 4}
 
 
 class DrawsFromEpoch2(Dataset):

@@ -74,6 +74,16 @@ def test_without_crossing_the_schedule_stops_at_the_end_of_the_epoch():
         schedule.next_task()
 
 
+def test_tasks_stop_at_the_last_epoch_asked_for_and_go_on_when_it_moves():
+    schedule, _ = _schedule(n=4, batch_size=2)
+    schedule.start(0)
+    sent = [schedule.next_task(last_epoch=1).epoch for _ in range(4)]
+    assert sent == [0, 0, 1, 1]
+    with pytest.raises(StopIteration):
+        schedule.next_task(last_epoch=1)  # epoch 2 only once the consumer is in epoch 1
+    assert schedule.next_task(last_epoch=2).epoch == 2
+
+
 def test_a_start_position_skips_samples_of_the_order_and_counts_them():
     schedule, _ = _schedule(n=6)
     schedule.start(0, skip=3)

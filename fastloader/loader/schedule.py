@@ -16,7 +16,10 @@ task carries its epoch (NOTE [ Seeding contract ]), so a batch is identical whet
 loaded early or not. The schedule looks one batch ahead, so the length of an epoch is known
 before its last batch is consumed; ``_next_data`` stops there. If the next iteration is not the
 epoch that was prefetched (the loop broke out early, ``set_epoch`` jumped, a state was
-loaded), the prefetched batches are drained with torch's own reset and loading restarts.
+loaded), the prefetched batches are drained with torch's own reset and loading restarts. Tasks
+go one epoch ahead at most (``next_task(last_epoch=)``): with more batches in flight than an
+epoch has (NOTE [ Prefetch depth by batch bytes ]), going further would be drained and loaded
+again at every epoch's start.
 """
 
 from __future__ import annotations
@@ -112,12 +115,14 @@ class EpochSchedule:
         while self._next is not _END:
             self._advance()
 
-    def next_task(self, number: int = -1) -> Task:
-        """The next task to send (as torch's task ``number``). Raises StopIteration when nothing
-        may be sent now."""
+    def next_task(self, number: int = -1, last_epoch: int | None = None) -> Task:
+        """The next task to send (as torch's task ``number``), of ``last_epoch`` at the latest.
+        Raises StopIteration when nothing may be sent now."""
         if self._next is _END:
             if not self.may_cross or self.epoch < 0:
                 raise StopIteration
+            if last_epoch is not None and self.epoch >= last_epoch:
+                raise StopIteration  # sent later, once the consumer is in the next epoch
             self._open(self.epoch + 1)
             if self._next is _END:
                 raise StopIteration

@@ -217,7 +217,8 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
         if self._schedule is None:
             return super()._next_index()
         number = self._send_idx  # torch sends this task under this number
-        task = self._schedule.next_task(number)
+        # never past the next epoch: NOTE [ Cross-epoch prefetch ] continues one epoch only
+        task = self._schedule.next_task(number, last_epoch=self._epoch + 1)
         self._sent_tasks[number] = task
         return task
 
