@@ -174,6 +174,7 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
             self._shared_epoch.value = epoch
             self._reset(loader)
         elif self._continues_into(epoch, skip):
+            self._epoch = epoch  # (first: tasks may now go on into the epoch after it)
             self._fill()
         elif self._tasks_outstanding == 0 and not self._task_info:
             self._schedule.start(epoch, skip)
