@@ -173,7 +173,9 @@ def unrestorable():
     """Workers that die at start-up: every epoch raises, none is empty or short."""
     # more batches than the pool prefetches: batches already in shared-memory slots when the
     # workers are killed stay valid (NOTE [ Batch transport ]), the rest need new workers
-    loader = DataLoader(range(16), batch_size=2, num_workers=2, worker_init_fn=_die_if_marked)
+    loader = DataLoader(
+        range(16), batch_size=2, num_workers=2, prefetch_factor=2, worker_init_fn=_die_if_marked
+    )
     outcomes = [len(list(loader))]
     os.environ["FASTLOADER_TEST_DIE"] = "1"  # replacements now die as they start
     for pid in loader.worker_pids:
@@ -235,7 +237,9 @@ def consecutive_poison():
 
 def lost_continue():
     """Workers lost mid-epoch; the loop catches each error and goes on: never a short epoch."""
-    loader = DataLoader(range(16), batch_size=2, num_workers=2, worker_init_fn=_die_if_marked)
+    loader = DataLoader(
+        range(16), batch_size=2, num_workers=2, prefetch_factor=2, worker_init_fn=_die_if_marked
+    )
     epochs = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

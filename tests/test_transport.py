@@ -145,7 +145,9 @@ def test_shared_memory_in_use_stays_within_prefetch_depth_times_batch_bytes():
             pass
     files = receive.slot_files(loader._iterator._slot_key)
     batch_bytes = 4 * (1000 * 4 + 7 * 4)
-    bound = (loader.prefetch_factor + 3) * batch_bytes * 1.25 + 4096 * 2  # pages, growth
+    depth = loader._iterator._prefetch_factor  # NOTE [ Prefetch depth by batch bytes ]
+    assert depth == 8  # 16 KB batches
+    bound = (depth + 3) * batch_bytes * 1.25 + 4096 * 2  # pages, growth
     for slots in files:
         assert 0 < slots.bytes_in_use() <= bound, (slots.bytes_in_use(), bound)
     loader.close()
