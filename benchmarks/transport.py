@@ -5,7 +5,9 @@ torch's DataLoader (``persistent_workers=True`` with workers), ``fastloader.Data
 (batches through shared-memory slots: NOTE [ Batch transport ] in
 fastloader/loader/transport/__init__.py) and, at sizes tiny and full, ``fastloader.DataLoader``
 with torch's transport (``WorkerPoolIter.slots = False``, ``pipes.ENABLED = False``: pickled
-batches, a shared-memory segment per tensor, queue feeder threads). The loaders take turns
+batches, a shared-memory segment per tensor, queue feeder threads) and with ``prefetch_factor=2``
+(torch's fixed depth, against the depth from the first batch's bytes: NOTE [ Prefetch depth
+by batch bytes ]). The loaders take turns
 epoch by epoch (interleaved rounds, after a warm-up epoch that starts the workers); each ratio
 is the median
 of the per-round ratios of samples/s. Also per loader: the main process's CPU time per batch
@@ -54,6 +56,8 @@ SIZES = {
 WORKER_COUNTS = {"tiny": (0, 1, 2), "quick": (0, 2), "full": (0, 1, 2)}
 WITH_PICKLED = {"tiny": True, "quick": False, "full": True}
 TORCH, OURS, PICKLED, PLAIN = "torch", "fastloader", "fastloader_pickled", "plain_loop"
+#: fastloader with torch's fixed prefetch_factor=2 (NOTE [ Prefetch depth by batch bytes ])
+DEPTH2 = "fastloader_prefetch2"
 
 
 class Images(Dataset):
@@ -108,6 +112,7 @@ def _loaders(
     }
     if workers and pickled:
         loaders[PICKLED] = DataLoader(dataset, seed=0, **common)
+        loaders[DEPTH2] = DataLoader(dataset, seed=0, prefetch_factor=2, **common)
     if plain and workers == 0:
         loaders[PLAIN] = PlainLoop(dataset, batch)
     return loaders
@@ -188,7 +193,7 @@ def run(size: str, workdir: Path) -> dict:
     for kind, kind_rows in measured.items():
         for row, _ in kind_rows:
             rows.append(row)
-            for base in (TORCH, PICKLED, PLAIN):
+            for base in (TORCH, PICKLED, PLAIN, DEPTH2):
                 if f"vs_{base}" in row:
                     ratios[f"{kind}_{row['num_workers']}w_vs_{base}"] = row[f"vs_{base}"]
         if kind.startswith("pose"):
@@ -212,5 +217,7 @@ def run(size: str, workdir: Path) -> dict:
             "*_main_cpu_ms_per_batch: the main process's CPU time (time.process_time, all its "
             "threads) per batch, median over rounds",
             "plain_loop: dataset.__getitems__ + default_collate in one process, same batches",
+            "fastloader_prefetch2 (sizes tiny, full): fastloader with prefetch_factor=2, torch's "
+            "fixed depth, instead of the depth from the first batch's bytes",
         ],
     }
