@@ -14,6 +14,7 @@ from fastloader.datasets.collate import default_collate
 from fastloader.datasets.columns import ColumnBatch
 from fastloader.datasets.users_files import HDF5FileDataset
 from fastloader.loader.iterators.worker_pool import WorkerPoolIter
+from tests._batches import assert_same_batch
 
 COUNT = 20
 BATCHES = [[3, 1, 4, 1, 5], [9, 2, 6], [0], [5, 3, 5, 8, 9, 7, 9, 19], [-1, 10]]
@@ -42,23 +43,6 @@ def every_kind(tmp_path):
             "visible", data=rng.random((COUNT, 14)) > 0.5, chunks=(4, 14), compression="gzip"
         )
     return path
-
-
-def assert_same_batch(got, want, where="batch"):
-    assert type(got) is type(want), where
-    if isinstance(want, torch.Tensor):
-        assert got.dtype == want.dtype and got.shape == want.shape, where
-        assert torch.equal(got, want), where
-    elif isinstance(want, dict):
-        assert list(got) == list(want), where
-        for key in want:
-            assert_same_batch(got[key], want[key], f"{where}[{key!r}]")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), where
-        for at, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert_same_batch(g, w, f"{where}[{at}]")
-    else:
-        assert got == want, where
 
 
 def reference(dataset, batches):

@@ -23,6 +23,7 @@ from torch.utils.data import Dataset
 import fastloader
 from fastloader.loader.transport import receive
 from fastloader.loader.transport.slots import ROWS
+from tests._batches import assert_same_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 Point = collections.namedtuple("Point", "x y")
@@ -49,25 +50,6 @@ class Mixed(Dataset):
         }
 
 
-def _assert_same(ours, expected, path="batch"):
-    assert type(ours) is type(expected), (path, type(ours), type(expected))
-    if isinstance(expected, torch.Tensor):
-        assert ours.dtype == expected.dtype and ours.shape == expected.shape, path
-        assert torch.equal(ours, expected), path
-    elif isinstance(expected, np.ndarray):
-        assert ours.dtype == expected.dtype and np.array_equal(ours, expected), path
-    elif isinstance(expected, dict):
-        assert ours.keys() == expected.keys(), path
-        for key in expected:
-            _assert_same(ours[key], expected[key], f"{path}[{key!r}]")
-    elif isinstance(expected, (list, tuple)):
-        assert len(ours) == len(expected), path
-        for i, (a, b) in enumerate(zip(ours, expected, strict=True)):
-            _assert_same(a, b, f"{path}[{i}]")
-    else:
-        assert ours == expected, path
-
-
 @pytest.mark.parametrize("collate", ["default", "identity", "none"])
 def test_batches_from_workers_equal_the_batches_loaded_in_process(collate):
     kwargs: dict = {"batch_size": 4}
@@ -83,7 +65,7 @@ def test_batches_from_workers_equal_the_batches_loaded_in_process(collate):
         got = list(loader)
         assert len(got) == len(expected)
         for ours, theirs in zip(got, expected, strict=True):
-            _assert_same(ours, theirs)
+            assert_same_batch(ours, theirs)
     loader.close()
 
 
