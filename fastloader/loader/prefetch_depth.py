@@ -6,10 +6,10 @@ torch keeps ``prefetch_factor`` (default 2) tasks per worker in flight and sends
 when the batch due next is handed out. On a machine whose cores the workers share with the
 training process, a worker descheduled for a moment holds up the batch due next, and the other
 workers, their two tasks done, wait idle for new ones. For cheap batches a deeper queue keeps
-them busy: with 2 workers on the 2-core box, 8 batches per worker in flight instead of 2 gave
-1.25x the samples/s for pose HDF5 batches of 64, 1.12x for token windows, 1.35x for an index
-dataset and 1.37x for 3x224x224 uint8 images, and 20 % less of the main process's CPU per batch
-(fewer wake-ups; benchmarks/results/transport-depth-full.md).
+them busy: with 2 workers on the 2-core box the depth below gave 1.08-1.22x the samples/s of
+torch's 2 (pose HDF5 batches of 64 1.22x, token windows 1.13x, an index dataset 1.08x,
+3x224x224 uint8 images at depth 3 1.22x) and up to a fifth less of the main process's CPU per
+batch (fewer wake-ups; benchmarks/results/transport-depth-full.md).
 
 What that costs is memory: each batch in flight is a region of the worker's shared-memory slot
 (NOTE [ Batch transport ]). So when ``prefetch_factor`` is not given, fastloader starts with
