@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import pytest
 import torch
@@ -26,12 +28,18 @@ class Arrays(Dataset):
 
 
 def test_the_depth_follows_the_bytes_of_a_batch():
+    class Batch:  # tensors inside an object of the user's: not seen, torch's depth kept
+        def __init__(self):
+            self.x = torch.zeros(PREFETCH_BYTES, dtype=torch.uint8)
+
+    assert prefetch_depth(Batch()) == 2
+    assert prefetch_depth(collections.UserDict(x=torch.zeros(PREFETCH_BYTES // 2))) == 2
     small = {"x": torch.zeros(64, 100), "names": ["a"] * 64, "y": np.zeros(64)}
     assert batch_bytes(small) == 64 * 100 * 4 + 64 * 8
     assert prefetch_depth(small) == MAX_DEPTH
     assert prefetch_depth([torch.zeros(PREFETCH_BYTES // 3, dtype=torch.uint8)]) == 3
     assert prefetch_depth(torch.zeros(PREFETCH_BYTES, dtype=torch.uint8)) == 2  # torch's
-    assert prefetch_depth(("no", "arrays")) == MAX_DEPTH
+    assert prefetch_depth(("no", "arrays")) == 2
 
 
 @pytest.mark.parametrize(
@@ -56,3 +64,15 @@ def test_workers_keep_the_depth_in_flight_and_every_batch_in_order(size, given, 
         assert [b["i"].tolist() for b in got] == [b["i"].tolist() for b in want]
         assert all(torch.equal(g["x"], w["x"]) for g, w in zip(got, want, strict=True))
     assert pooled.prefetch_factor == (2 if given is None else given)  # torch's attribute
+
+
+def test_after_a_jump_back_tasks_go_one_epoch_past_it_at_most():
+    loader = DataLoader(Arrays(3, 4), batch_size=1, num_workers=2, seed=0)
+    for _ in range(6):  # 3 batches an epoch, up to 16 in flight
+        list(loader)
+    loader.set_epoch(1)
+    batches = list(loader)
+    iterator = loader._iterator
+    assert iterator._prefetch_factor == MAX_DEPTH
+    assert iterator._schedule.epoch <= 2  # sent while epoch 1 ran: epoch 2 at most
+    assert sorted(int(b["i"]) for b in batches) == [0, 1, 2]

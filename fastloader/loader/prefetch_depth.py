@@ -16,11 +16,15 @@ What that costs is memory: each batch in flight is a region of the worker's shar
 torch's 2 and, once the first batch arrives, keeps ``PREFETCH_BYTES`` of batches in flight per
 worker: ``PREFETCH_BYTES // batch bytes``, at least 2 (torch's default) and at most
 ``MAX_DEPTH``. Batches of 340 KB (pose) or 1 MB (token windows) get 8; 9.6 MB of images get 3;
-a 150 MB float batch keeps 2. A ``prefetch_factor`` the user gives is kept as given.
+a 150 MB float batch keeps 2, and so does a batch whose tensors sit inside objects other than
+lists, tuples and mappings (their bytes are not seen). The first batch stands for the others:
+batches that grow later (lengths bucketed by size) keep its depth. A ``prefetch_factor`` the
+user gives is kept as given.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -35,13 +39,17 @@ _MAX_LEAVES = 10_000  # a batch of more array leaves is not walked further
 
 
 def prefetch_depth(batch: Any) -> int:
-    """Batches in flight per worker for batches like ``batch`` (see the NOTE)."""
+    """Batches in flight per worker for batches like ``batch`` (see the NOTE); torch's 2 for
+    a batch whose tensors it cannot see (inside objects of other kinds)."""
     size = batch_bytes(batch)
-    return max(TORCH_DEPTH, min(MAX_DEPTH, PREFETCH_BYTES // max(size, 1)))
+    if size == 0:
+        return TORCH_DEPTH
+    return max(TORCH_DEPTH, min(MAX_DEPTH, PREFETCH_BYTES // size))
 
 
 def batch_bytes(batch: Any) -> int:
-    """The bytes of the tensors and arrays in ``batch`` (lists, tuples and dicts walked)."""
+    """The bytes of the tensors and arrays in ``batch`` (lists, tuples and mappings walked;
+    what other objects hold is not counted)."""
     total = 0
     pending = [batch]
     seen = 0
@@ -52,7 +60,7 @@ def batch_bytes(batch: Any) -> int:
             total += value.numel() * value.element_size()
         elif isinstance(value, np.ndarray):
             total += value.nbytes
-        elif isinstance(value, dict):
+        elif isinstance(value, Mapping):
             pending.extend(value.values())
         elif isinstance(value, (list, tuple)):
             pending.extend(value)

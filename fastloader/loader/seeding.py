@@ -52,7 +52,6 @@ from torch.utils.data import (
     IterableDataset,
     StackDataset,
     Subset,
-    default_collate,
     get_worker_info,
 )
 
@@ -72,16 +71,13 @@ SEED_RNGS_MODES = ("auto", "always", "never")
 
 def seeding_options(loader: Any) -> dict[str, Any]:
     """What a loader's ``SeededDataset`` needs to know beyond its seed (for the iterators)."""
-    # fastloader's default collate_fn is torch's with a clearer error
-
-    # the default collate_fns draw nothing: no need to seed for them (NOTE [ Lazy seeding ])
-    drawless = (default_collate, collate.default_collate)
     memory = getattr(loader, "_seeding_memory", None)
     if memory is None:  # what the loader learns of its dataset: NOTE [ Lazy seeding ]
         memory = loader._seeding_memory = SeedingMemory()
     return {
         "seed_rngs": loader.seed_rngs,
-        "collate_may_draw": all(loader.collate_fn is not fn for fn in drawless),
+        # the default collate_fns draw nothing: no need to seed for them (NOTE [ Lazy seeding ])
+        "collate_may_draw": all(loader.collate_fn is not fn for fn in collate.DEFAULT_COLLATES),
         "memory": memory,
         # the collate that takes a batch read by columns: NOTE [ Batches read by columns ]
         "columns": loader.collate_fn is collate.default_collate,

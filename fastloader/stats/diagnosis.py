@@ -41,8 +41,9 @@ only advice that would change the numbers, else says "nothing to change" and why
   (uint8, normalised on the GPU with ``device_transform`` unless it already is);
 - busy workers that already use every CPU but the training process's: not "add workers" but
   cheaper samples;
-- idle workers whose batches cost less to load than to hand over (``CHEAP_BATCH_S``): not
-  "raise prefetch_factor" but ``num_workers=0``; and with ``num_workers=0``, batches that
+- idle workers whose batches cost less to load than to hand over (``CHEAP_BATCH_S``), with
+  the default collate (the workers' busy time leaves the collate out): not "raise
+  prefetch_factor" but ``num_workers=0``; and with ``num_workers=0``, batches that
   load faster than a worker's would be received (``HANDOVER_S``): nothing to change (not
   "add workers", which would send the user back);
 - reads from storage of data that fits in the page cache (``formats.advice.fits_in_memory``):
@@ -179,7 +180,8 @@ def _worker_advice(stats: Any, settings: Any) -> str:
             )
         return f"workers are busy {100 * busy:.0f}% of the time: add workers or {cheaper}"
     load_s = busy * stats.workers * stats.wall_s / stats.batches  # per batch, in the workers
-    if load_s < CHEAP_BATCH_S:
+    collate_is_cheap = settings is not None and settings.default_collate  # not in busy time
+    if load_s < CHEAP_BATCH_S and collate_is_cheap:
         return (
             f"workers load a batch in {1000 * load_s:.2f} ms, less than handing it to the "
             f"training process costs it (about {1000 * HANDOVER_S:.2f} ms): num_workers=0 "

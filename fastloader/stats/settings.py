@@ -12,6 +12,7 @@ import dataclasses
 import os
 from typing import Any
 
+from fastloader.datasets.collate import DEFAULT_COLLATES
 from fastloader.formats.advice import memory_for_cache
 
 
@@ -29,6 +30,8 @@ class LoaderSettings:
             a user's HDF5 or LMDB file), else None.
         memory_bytes: the memory the page cache may use (``MemAvailable``, cgroup limits);
             None where unknown.
+        default_collate: ``collate_fn`` is torch's or fastloader's default one (whose cost
+            next to loading is small: the workers' busy time then stands for the batch).
     """
 
     persistent_workers: bool = False
@@ -38,6 +41,7 @@ class LoaderSettings:
     cpus: int | None = None
     data_bytes: int | None = None
     memory_bytes: int | None = None
+    default_collate: bool = False
 
 
 def loader_settings(loader: Any) -> LoaderSettings:
@@ -53,6 +57,7 @@ def loader_settings(loader: Any) -> LoaderSettings:
         cpus=len(usable) if usable is not None else os.cpu_count(),
         data_bytes=dataset_bytes(getattr(loader, "dataset", None)),
         memory_bytes=memory_for_cache(),
+        default_collate=getattr(loader, "collate_fn", None) in DEFAULT_COLLATES,
     )
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
+from fastloader.datasets.collate import DEFAULT_COLLATES
 from fastloader.datasets.collate import default_collate as fastloader_default_collate
 from fastloader.datasets.columns import ColumnBatch, whole
 from fastloader.formats.mapped_rows import MappedRows
@@ -61,7 +62,6 @@ def _stack_arrays_later(batch: Any, *, collate_fn_map: Any = None) -> Any:
 
 
 _MAP = {**default_collate_fn_map, torch.Tensor: _stack_later, np.ndarray: _stack_arrays_later}
-DEFAULTS = (torch.utils.data.default_collate, fastloader_default_collate)
 
 
 def default_collate_into_slots(batch: Any) -> Any:
@@ -71,9 +71,10 @@ def default_collate_into_slots(batch: Any) -> Any:
             return _collate_columns(batch)
         return collate(batch, collate_fn_map=_MAP)
     except (RuntimeError, TypeError):
-        if type(batch) is ColumnBatch:
-            batch = batch.samples()
-        return fastloader_default_collate(batch)  # its error, naming ragged fields
+        pass  # (outside the handler: its error alone, not chained to this one)
+    if type(batch) is ColumnBatch:
+        batch = batch.samples()
+    return fastloader_default_collate(batch)  # its error, naming ragged fields
 
 
 def _collate_columns(batch: ColumnBatch) -> dict[str, Any]:
@@ -90,4 +91,4 @@ def _collate_columns(batch: ColumnBatch) -> dict[str, Any]:
 def into_slots(collate_fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """The collate function workers run before the transport: the default collate (torch's or
     fastloader's) stacks straight into the slot; a user's own runs as it is."""
-    return default_collate_into_slots if collate_fn in DEFAULTS else collate_fn
+    return default_collate_into_slots if collate_fn in DEFAULT_COLLATES else collate_fn

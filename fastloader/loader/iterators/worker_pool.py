@@ -170,11 +170,12 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
             dead = self._dead_slots()
             if dead:
                 self._heal(dead)
+        continues = self._schedule is not None and self._continues_into(epoch, skip)
+        self._epoch = epoch  # before any task is sent: they go one epoch past it at most
         if self._schedule is None:  # iterable dataset: torch's reset, with the new epoch
             self._shared_epoch.value = epoch
             self._reset(loader)
-        elif self._continues_into(epoch, skip):
-            self._epoch = epoch  # (first: tasks may now go on into the epoch after it)
+        elif continues:
             self._fill()
         elif self._tasks_outstanding == 0 and not self._task_info:
             self._schedule.start(epoch, skip)
@@ -185,7 +186,6 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
         else:  # stale batches in flight: drain them with torch's reset, then restart
             self._schedule.start(epoch, skip)
             self._reset(loader)
-        self._epoch = epoch
         self._delivered = skip
         self._epoch_done = False
         self._num_yielded = 0  # torch's per-epoch count (its _reset is skipped when continuing)
