@@ -32,14 +32,13 @@ starts, the pool asks the reader to drop a partial message of the dead writer
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
 import select
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -48,7 +47,7 @@ PATIENCE_S = 0.5  # how long one read waits on an incomplete message before answ
 _FEEDER = "QueueFeederThread"  # multiprocessing's name for the thread that writes a queue
 
 
-def mark_writes(writing: Any, slot: int) -> Callable[[], Any]:
+def mark_writes(writing: Any, slot: int) -> WriteCount:
     """In a worker: count in ``writing[slot]`` the messages this process is writing to a
     queue's pipe (its result queue).
 
@@ -59,37 +58,40 @@ def mark_writes(writing: Any, slot: int) -> Callable[[], Any]:
     mark. See NOTE [ Torn results ].
 
     Returns:
-        A context manager factory counting a write made outside the feeder thread (NOTE
-        [ Puts without a feeder thread ] in loader/transport/pipes.py).
+        The count, to enter around a write made outside the feeder thread (NOTE [ Puts
+        without a feeder thread ] in loader/transport/pipes.py).
     """
     original = Connection._send_bytes
-    lock = threading.Lock()
+    count = WriteCount(writing, slot)
 
     def send_bytes_marked(self: Connection, buf: Any) -> None:
         if threading.current_thread().name != _FEEDER:
             original(self, buf)
             return
-        with lock:
-            writing[slot] += 1
-        try:
+        with count:
             original(self, buf)
-        finally:
-            with lock:
-                writing[slot] -= 1
 
     Connection._send_bytes = send_bytes_marked  # type: ignore[method-assign]
+    return count
 
-    @contextlib.contextmanager
-    def counted() -> Iterator[None]:
-        with lock:
-            writing[slot] += 1
-        try:
-            yield
-        finally:
-            with lock:
-                writing[slot] -= 1
 
-    return counted
+class WriteCount:
+    """``writing[slot]`` raised while entered (by any thread: entries nest and overlap)."""
+
+    __slots__ = ("_writing", "_slot", "_lock")
+
+    def __init__(self, writing: Any, slot: int) -> None:
+        self._writing = writing
+        self._slot = slot
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> None:
+        with self._lock:
+            self._writing[self._slot] += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self._lock:
+            self._writing[self._slot] -= 1
 
 
 def guard_reads(result_queue: Any, writing: Any, workers: Sequence[Any]) -> GuardedReader:

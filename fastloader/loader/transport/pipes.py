@@ -24,7 +24,7 @@ that pickles and writes in the calling thread:
   the next one comes): per writer, messages keep their order.
 * **Torn messages.** A write into a free page is completed by the kernel at once;
   a worker killed while writing its result is still counted by NOTE [ Torn results ]
-  (``count_sends`` marks these writes as the feeder's are).
+  (``counted`` marks these writes as the feeder's are).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import mmap
 import pickle
 import select
 import sys
-from collections.abc import Callable
+from contextlib import AbstractContextManager
 from multiprocessing.reduction import ForkingPickler
 from queue import Full
 from typing import Any
@@ -42,10 +42,10 @@ from typing import Any
 class DirectPut:
     """``queue.put`` written in the calling thread while it fits the pipe (see the NOTE)."""
 
-    def __init__(self, queue: Any, count_sends: Callable[[], Any] | None = None) -> None:
+    def __init__(self, queue: Any, counted: AbstractContextManager | None = None) -> None:
         self._queue = queue
         self._feeder_put = queue.put  # the queue's own put (the feeder thread)
-        self._count_sends = count_sends
+        self._counted = counted
         self._fed = False  # True once a message went to the feeder: order (see the NOTE)
         self._writable = select.poll()
         self._writable.register(queue._writer.fileno(), select.POLLOUT)
@@ -65,10 +65,10 @@ class DirectPut:
             lock.acquire()
         try:
             if self._writable.poll(0):  # a free page: NOTE [ Puts without a feeder thread ]
-                if self._count_sends is None:
+                if self._counted is None:
                     writer.send_bytes(message)
                 else:
-                    with self._count_sends():
+                    with self._counted:
                         writer.send_bytes(message)
                 return None
         finally:
@@ -99,14 +99,14 @@ class _Pickled:
 ENABLED = True
 
 
-def write_directly(queue: Any, count_sends: Callable[[], Any] | None = None) -> bool:
+def write_directly(queue: Any, counted: AbstractContextManager | None = None) -> bool:
     """Give ``queue`` (a ``multiprocessing.Queue`` no message was put on yet in this process)
     a ``put`` that writes in the calling thread (NOTE [ Puts without a feeder thread ]).
 
-    ``count_sends()`` is entered around each write (NOTE [ Torn results ]). Returns whether
+    ``counted`` is entered around each write (NOTE [ Torn results ]). Returns whether
     the queue was changed (on Linux only: the NOTE relies on how its pipes fill).
     """
     if not ENABLED or sys.platform != "linux" or queue._buffer:
         return False
-    queue.put = DirectPut(queue, count_sends)
+    queue.put = DirectPut(queue, counted)
     return True
