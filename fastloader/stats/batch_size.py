@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastloader.datasets.collate import SCALAR_TYPES
+
 
 def batch_size(batch: Any) -> int:
     """The number of samples in ``batch``: its first tensor's (or array's) length, else its
@@ -31,9 +33,6 @@ def batch_size(batch: Any) -> int:
     return 1 if size is None else size
 
 
-_SCALARS = frozenset((int, float, bool, str, bytes, type(None)))
-
-
 def _first_tensor_len(batch: Any) -> int | None:
     if isinstance(batch, torch.Tensor) and batch.is_nested:
         return batch.size(0)  # a nested tensor has no .shape
@@ -41,7 +40,7 @@ def _first_tensor_len(batch: Any) -> int | None:
         return batch.shape[0] if batch.ndim else 1
     if isinstance(batch, (tuple, list)):
         for item in batch:
-            if type(item) in _SCALARS:  # a list of numbers, strings: nothing to look into
+            if type(item) in SCALAR_TYPES:  # a list of numbers, strings: nothing to look into
                 continue
             size = _first_tensor_len(item)
             if size is not None:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastloader.datasets.collate import plain_values
 from fastloader.loader.transport.slots import SlotFile
 
 _registry: dict[int, list[SlotFile]] = {}  # key -> the slot files of one worker pool
@@ -80,9 +81,6 @@ def _view(owner: Any, entry: tuple) -> Any:
     return torch.frombuffer(owner, dtype=dtype, count=count, offset=offset).view(shape)
 
 
-SCALARS = frozenset((str, bytes, int, float, bool, type(None)))
-
-
 class Leaf:
     """Where an array leaf of the batch sits in the skeleton: its index in the layout."""
 
@@ -100,7 +98,7 @@ def _fill(value: Any, arrays: list[Any]) -> Any:
     if kind is Leaf:
         return arrays[value.index]
     if kind is list or kind is tuple:
-        if value and type(value[0]) in SCALARS and SCALARS.issuperset(map(type, value)):
+        if plain_values(value):
             return value  # strings, numbers: no leaf inside
         items = [_fill(item, arrays) for item in value]
         return items if kind is list else tuple(items)

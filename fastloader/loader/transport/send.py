@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from fastloader.datasets.collate import stack_arrays
+from fastloader.datasets.collate import plain_values, stack_arrays
 from fastloader.loader.transport import receive
-from fastloader.loader.transport.receive import SCALARS, Leaf
+from fastloader.loader.transport.receive import Leaf
 from fastloader.loader.transport.slots import (
     FREE,
     READY,
@@ -198,7 +198,7 @@ def _flatten(value: Any, leaves: list[Any]) -> Any:
         leaves.append(value)
         return Leaf(len(leaves) - 1)
     if kind is list or kind is tuple:
-        if value and type(value[0]) in SCALARS and SCALARS.issuperset(map(type, value)):
+        if plain_values(value):
             return value  # strings, numbers: pickled as they are
         items = [_flatten(item, leaves) for item in value]
         return items if kind is list else tuple(items)
