@@ -281,14 +281,22 @@ class SeededDataset:
 
     def _load_seeding_each(self, indices: list, epoch: int) -> list:
         # Packed datasets decode each sample (far dearer than seeding): seeded eagerly.
+        read = indices
+        for layer in self._subsets:
+            read = [layer[index] for index in read]
+        if self._read_columns is not None:  # no code of the user's runs per sample: no seeding
+            try:
+                batch = self._read_columns(read)
+            except Exception as error:
+                annotate(error, indices, epoch)
+                raise
+            if batch is not None:
+                return batch
         key = _epoch_key(self.seed, epoch)
         seeds_on = self.seed_rngs != "never"
         training = self.training
         current: list = [indices]
-        read = indices
         outer: dict = {}  # under Subsets: read index -> the loader's indices, in batch order
-        for layer in self._subsets:
-            read = [layer[index] for index in read]
         if self._subsets:
             for index, inner in zip(indices, read, strict=True):
                 outer.setdefault(inner, []).append(index)
@@ -302,10 +310,6 @@ class SeededDataset:
                 seed_rngs(_mix64(key ^ _index_key(index)))  # == sample_seed(seed, epoch, index)
 
         try:
-            if self._read_columns is not None:  # no code of the user's runs per sample
-                batch = self._read_columns(read)
-                if batch is not None:
-                    return batch
             return self._reader.getitems_with(read, seed_sample)
         except Exception as error:
             annotate(error, current[0], epoch)
