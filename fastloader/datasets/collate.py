@@ -35,7 +35,8 @@ from PIL import Image
 from torch.utils.data import default_collate as torch_default_collate
 from torch.utils.data import get_worker_info
 
-from fastloader.datasets.columns import ColumnBatch, gathered, whole
+from fastloader.datasets.columns import ColumnBatch
+from fastloader.formats.mapped_rows import MappedRows, gathered
 
 __all__ = ["RaggedFieldError", "default_collate", "pad_ragged", "ragged_as_lists"]
 
@@ -110,6 +111,19 @@ def plain_values(values: Sequence[Any]) -> bool:
 DEFAULT_COLLATES = (torch_default_collate, default_collate)
 
 
+#: NumPy dtype kinds torch takes as they are (in native byte order): bool, ints, floats, complex.
+PLAIN_KINDS = "biufc"
+
+
+def whole(column: Any) -> bool:
+    """Whether a ``ColumnBatch`` column becomes its batch tensor whole: rows of a mapped field
+    not gathered yet, or a plain numeric array (NOTE [ Batches read by columns ])."""
+    kind = type(column)
+    if kind is MappedRows:
+        return True
+    return kind is np.ndarray and column.dtype.kind in PLAIN_KINDS and column.dtype.isnative
+
+
 def _collate_columns(batch: ColumnBatch) -> dict[str, Any]:
     in_worker = get_worker_info() is not None  # there torch's collate allocates in shared memory
     try:
@@ -126,7 +140,7 @@ def _collate_columns(batch: ColumnBatch) -> dict[str, Any]:
 
 def _collate_column(values: list) -> Any:
     first = values[0]
-    if type(first) is not np.ndarray or first.dtype.kind not in "biufc":
+    if type(first) is not np.ndarray or first.dtype.kind not in PLAIN_KINDS:
         return torch_default_collate(values)
     dtype = first.dtype
     if not dtype.isnative or set(map(type, values)) != {np.ndarray}:

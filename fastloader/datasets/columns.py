@@ -28,9 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
-from fastloader.formats.mapped_rows import MappedRows
+from fastloader.formats.mapped_rows import gathered
 
 __all__ = ["ColumnBatch"]
 
@@ -52,17 +50,3 @@ class ColumnBatch:
         """The batch as the list of dict samples it was read as."""
         columns = {name: gathered(column) for name, column in self.columns.items()}
         return [{name: column[at] for name, column in columns.items()} for at in range(self.length)]
-
-
-def whole(column: Any) -> bool:
-    """Whether ``column`` becomes its batch tensor whole: rows of a mapped field not gathered
-    yet, or a plain numeric array."""
-    kind = type(column)
-    if kind is MappedRows:
-        return True
-    return kind is np.ndarray and column.dtype.kind in "biufc" and column.dtype.isnative
-
-
-def gathered(column: Any) -> Any:
-    """``column``, its ``MappedRows`` gathered into an array."""
-    return column.array() if type(column) is MappedRows else column

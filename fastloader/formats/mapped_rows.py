@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-__all__ = ["MappedRows"]
+__all__ = ["MappedRows", "gathered"]
 
 
 class MappedRows:
@@ -39,3 +41,8 @@ class MappedRows:
     def into(self, out: np.ndarray) -> None:
         # "clip" is never used (the rows are in range) but, unlike "raise", copies unbuffered
         np.take(self.source, self.rows, axis=0, out=out, mode="clip")
+
+
+def gathered(column: Any) -> Any:
+    """``column``, gathered into an array if it is ``MappedRows``."""
+    return column.array() if type(column) is MappedRows else column

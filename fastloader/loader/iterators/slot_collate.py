@@ -18,13 +18,11 @@ import numpy as np
 import torch
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
-from fastloader.datasets.collate import DEFAULT_COLLATES
+from fastloader.datasets.collate import DEFAULT_COLLATES, PLAIN_KINDS, whole
 from fastloader.datasets.collate import default_collate as fastloader_default_collate
-from fastloader.datasets.columns import ColumnBatch, whole
+from fastloader.datasets.columns import ColumnBatch
 from fastloader.formats.mapped_rows import MappedRows
 from fastloader.loader.transport.send import Gather, Stack
-
-_PLAIN_KINDS = "biufc"  # NumPy dtype kinds torch takes as they are
 
 
 def _stack_later(batch: Any, *, collate_fn_map: Any = None) -> Any:
@@ -50,7 +48,7 @@ def _stack_later(batch: Any, *, collate_fn_map: Any = None) -> Any:
 def _stack_arrays_later(batch: Any, *, collate_fn_map: Any = None) -> Any:
     elem = batch[0]
     dtype, shape = elem.dtype, elem.shape
-    if dtype.kind in _PLAIN_KINDS and dtype.isnative:
+    if dtype.kind in PLAIN_KINDS and dtype.isnative:
         for array in batch:  # (rows of one gather share one dtype object: ``is`` first)
             if type(array) is not np.ndarray or array.shape != shape:
                 break
