@@ -33,7 +33,7 @@ import mmap
 import pickle
 import select
 import sys
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from multiprocessing.reduction import ForkingPickler
 from queue import Full
 from typing import Any
@@ -45,7 +45,7 @@ class DirectPut:
     def __init__(self, queue: Any, counted: AbstractContextManager | None = None) -> None:
         self._queue = queue
         self._feeder_put = queue.put  # the queue's own put (the feeder thread)
-        self._counted = counted
+        self._counted = counted if counted is not None else nullcontext()
         self._fed = False  # True once a message went to the feeder: order (see the NOTE)
         self._writable = select.poll()
         self._writable.register(queue._writer.fileno(), select.POLLOUT)
@@ -65,11 +65,8 @@ class DirectPut:
             lock.acquire()
         try:
             if self._writable.poll(0):  # a free page: NOTE [ Puts without a feeder thread ]
-                if self._counted is None:
+                with self._counted:
                     writer.send_bytes(message)
-                else:
-                    with self._counted:
-                        writer.send_bytes(message)
                 return None
         finally:
             if lock is not None:
