@@ -105,3 +105,107 @@ def test_workers_send_results_without_a_feeder_thread():
         assert not any(flag for batch in loader for flag in batch.tolist())
     finally:
         loader.close()
+
+
+# -- NOTE [ Puts without a feeder thread ], "Reading tasks": BufferedGet ----------------------
+
+
+def _reader(queue):
+    return pipes.BufferedGet(queue)
+
+
+def test_buffered_get_reads_every_message_in_order_and_keeps_the_count():
+    queue = _queue()
+    get = _reader(queue)
+    big = np.arange(100_000, dtype=np.int64)  # 800 KB: goes by the feeder, in many reads
+    for number in range(50):
+        queue.put((number, list(range(number))))
+    queue.put((50, big))
+    queue.put((51, None))
+    received = [get(timeout=5) for _ in range(52)]
+    assert [number for number, _ in received] == list(range(52))
+    assert received[7][1] == list(range(7))
+    assert np.array_equal(received[50][1], big)
+    assert queue._sem.get_value() == queue._maxsize  # each get released what put took
+
+
+def test_buffered_get_times_out_and_raises_empty_like_queue_get():
+    import queue as queue_module
+    import time
+
+    get = _reader(_queue())
+    with pytest.raises(queue_module.Empty):
+        get(block=False)
+    started = time.monotonic()
+    with pytest.raises(queue_module.Empty):
+        get(timeout=0.2)
+    assert 0.15 < time.monotonic() - started < 3
+
+
+def test_buffered_get_raises_eof_when_every_writer_is_gone():
+    queue = multiprocessing.get_context("fork").Queue()
+    get = _reader(queue)
+    queue._writer.close()
+    with pytest.raises(EOFError):
+        get(timeout=5)
+
+
+def test_buffered_get_completes_a_message_split_across_reads():
+    import queue as queue_module
+
+    queue = _queue()
+    get = _reader(queue)
+    message = pipes.dumps((3, "x" * 100))
+    framed = len(message).to_bytes(4, "big") + bytes(message)
+    import os
+
+    os.write(queue._writer.fileno(), framed[:7])  # length and 3 bytes: the rest comes later
+    queue._sem.acquire()
+    with pytest.raises(queue_module.Empty):  # nothing whole yet
+        get(block=False)
+    os.write(queue._writer.fileno(), framed[7:])
+    assert get(timeout=5) == (3, "x" * 100)
+
+
+def test_dumps_pickles_with_forking_reducers_registered_later():
+    # a reducer registered after the first message is used from the next message on
+    from multiprocessing.reduction import ForkingPickler
+
+    class Special:
+        pass
+
+    assert pipes.dumps((1, [2])) is not None
+    ForkingPickler.register(Special, lambda obj: (str, ("reduced",)))
+    try:
+        import pickle
+
+        assert pickle.loads(pipes.dumps(Special())) == "reduced"
+    finally:
+        del ForkingPickler._extra_reducers[Special]
+
+
+class _ReadsTasksDirectly(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        from fastloader.loader import worker_guard
+
+        return worker_guard.tasks_read_directly
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_workers_read_their_tasks_through_buffered_get(start):
+    # guards the reach into torch's worker loop (iterators/worker_loop.py): its frame and its
+    # index_queue local are found in every worker, under each start method
+    loader = DataLoader(
+        _ReadsTasksDirectly(),
+        batch_size=2,
+        num_workers=2,
+        seed=0,
+        multiprocessing_context=start,
+    )
+    try:
+        assert [flag for batch in loader for flag in batch.tolist()] == [True] * 8
+    finally:
+        loader.close()

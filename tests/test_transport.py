@@ -183,7 +183,7 @@ _TORN_SLOT = """
         write = send._write
 
         def torn_write(region, leaves, layout):
-            region[: len(region) // 2] = b"\\xff" * (len(region) // 2)  # half a batch, garbage
+            memoryview(region)[: len(region) // 2] = b"\\xff" * (len(region) // 2)  # garbage
             os.kill(os.getpid(), signal.SIGKILL)
 
         send._write = torn_write

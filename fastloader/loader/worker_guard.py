@@ -112,6 +112,10 @@ def register_stack_dump(folder: str | None, slot: int) -> None:
         pass
 
 
+#: In a worker: whether ``WorkerInit.on_start`` gave torch's loop a direct task reader.
+tasks_read_directly = False
+
+
 class WorkerInit:
     """Runs in each worker before the user's ``worker_init_fn``.
 
@@ -138,10 +142,17 @@ class WorkerInit:
         # the pool's result queue, written without its feeder thread (NOTE [ Puts without a
         # feeder thread ] in loader/transport/pipes.py); the very object torch's loop puts on
         self.result_queue: Any = None
+        # run first in the worker, from torch's loop (the pool's iterator sets it: reading the
+        # loop's task queue directly, iterators/worker_loop.py); whether it did is kept in
+        # ``tasks_read_directly``
+        self.on_start: Callable[[], bool] | None = None
 
     def __call__(self, worker_id: int) -> None:
+        global tasks_read_directly
         if self.parent_pid is not None:
             die_with_parent(self.parent_pid, self.forked_from_main_thread)
+        if self.on_start is not None:
+            tasks_read_directly = self.on_start()
         register_stack_dump(self.stack_folder, worker_id)
         if self.writing is not None:
             counted = mark_writes(self.writing, worker_id)

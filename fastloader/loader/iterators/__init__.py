@@ -7,6 +7,8 @@
   workers ] in loader/supervision.py);
 - ``slot_collate.py``: torch's ``default_collate`` stacking straight into a shared-memory slot
   (runs in the workers; NOTE [ Batch transport ] in loader/transport/__init__.py);
+- ``worker_loop.py``: in each worker, torch's loop given a task queue read through
+  ``BufferedGet`` (NOTE [ Puts without a feeder thread ] in loader/transport/pipes.py);
 - ``torch_internals.py``: the list of what we rely on, checked against the installed torch.
 
 Everything here runs in the main process, except what torch's worker loop runs with the
@@ -42,6 +44,10 @@ is torch's iterator, ``_BaseDataLoaderIter``) and rely on:
   once: NOTE [ Prefetch depth by batch bytes ]), ``_in_order``,
   ``_workers``, ``_index_queues``, ``_worker_result_queue``, ``_workers_done_event``,
   ``_workers_status``, ``_base_seed``, ``_shared_seed``, ``_worker_pids_set``, ``_shutdown``;
+- ``_utils.worker._worker_loop`` calling ``init_fn(worker_id)`` from its own frame before its
+  loop, with its task queue in the local ``index_queue``, read only through ``.get``
+  (``worker_loop.py`` gives that queue its own ``get``; tests/test_pipes.py checks it under
+  fork and spawn);
 - ``_utils.worker._worker_loop``'s argument list (replacement workers are started with it),
   ``_utils.worker._ResumeIteration``, and ``_utils.signal_handling._remove_worker_pids``
   (see NOTE [ Supervised workers ] in loader/supervision.py);

@@ -33,6 +33,7 @@ from fastloader.loader.iterators.common import (
     schedule_for,
 )
 from fastloader.loader.iterators.slot_collate import into_slots
+from fastloader.loader.iterators.worker_loop import read_tasks_directly
 from fastloader.loader.prefetch_depth import prefetch_depth
 from fastloader.loader.result_queue import guard_reads
 from fastloader.loader.seeding import Task, seeding_options
@@ -126,6 +127,7 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
                 user_fn, self._parent_pid, self._stack_folder, self._reseeded, self._writing
             )
             user_fn.forked_from_main_thread = _in_main_thread()
+            user_fn.on_start = read_tasks_directly  # NOTE [ Puts without a feeder thread ]
         self.__dict__["_fastloader_worker_init"] = user_fn
 
     @property

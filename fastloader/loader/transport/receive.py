@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
+import pickle
 import threading
 import weakref
 from typing import Any
@@ -48,21 +49,37 @@ def unregister(key: int) -> None:
 
 
 def rebuild(
-    key: int, worker: int, row: int, offset: int, capacity: int, layout: tuple, skeleton: Any
+    key: int, worker: int, row: int, offset: int, capacity: int, layout: bytes, skeleton: Any
 ) -> Any:
-    """The batch a worker wrote into ``row`` of its slot file, as views of the region."""
+    """The batch a worker wrote into ``row`` of its slot file, as views of the region.
+    ``layout`` is the pickled tuple of ``(kind, dtype, shape, offset, nbytes)`` per leaf."""
     files = _registry.get(key)
     if files is None:
         raise RuntimeError("fastloader: a batch from a DataLoader whose workers were shut down")
     slots = files[worker]
     region = slots.region(row, offset, capacity)
-    used = max(1, max((entry[3] + entry[4] for entry in layout), default=1))
-    owner = (ctypes.c_ubyte * used).from_buffer(region)
+    entries = _layouts.get(layout)
+    if entries is None:
+        entries = _unpickled_layout(layout)
+    owner = (ctypes.c_ubyte * entries[0]).from_buffer(region)
     # NOTE [ Batch transport ]: slot lifetime. Only this process frees the row: a forked
     # child's copy of the batch dying says nothing about this process's.
     weakref.finalize(owner, _free, slots, row, os.getpid()).atexit = False
-    arrays = [_view(owner, entry) for entry in layout]
+    arrays = [_view(owner, entry) for entry in entries[1]]
     return _fill(skeleton, arrays)
+
+
+_layouts: dict[bytes, tuple[int, tuple]] = {}  # pickled layout -> bytes used, its entries
+_LAYOUTS_KEPT = 256  # ragged batches make a new layout each: then none is kept
+
+
+def _unpickled_layout(pickled: bytes) -> tuple[int, tuple]:
+    layout = pickle.loads(pickled)
+    used = max(1, max((entry[3] + entry[4] for entry in layout), default=1))
+    if len(_layouts) >= _LAYOUTS_KEPT:
+        _layouts.clear()
+    _layouts[pickled] = (used, layout)
+    return used, layout
 
 
 def _free(slots: SlotFile, row: int, pid: int) -> None:

@@ -9,6 +9,7 @@ array (strings, numbers in lists, user objects) stays in a small skeleton pickle
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -52,9 +53,14 @@ class Stack:
     def nbytes(self) -> int:
         return self.samples[0].nbytes * len(self.samples)
 
-    def write(self, target: torch.Tensor) -> None:
+    @property
+    def array_dtype(self) -> np.dtype | None:
+        """The NumPy dtype ``write`` takes its target in (None: a tensor)."""
+        return self.samples[0].dtype if self.arrays else None
+
+    def write(self, target: Any) -> None:
         if self.arrays:
-            stack_arrays(self.samples, target.numpy(), same_shapes=True)  # slot_collate did
+            stack_arrays(self.samples, target, same_shapes=True)  # slot_collate checked
         else:
             torch.stack(self.samples, out=target)
 
@@ -85,8 +91,13 @@ class Gather:
     def nbytes(self) -> int:
         return self.rows.nbytes
 
-    def write(self, target: torch.Tensor) -> None:
-        self.rows.into(target.numpy())
+    @property
+    def array_dtype(self) -> np.dtype:
+        """The NumPy dtype ``write`` takes its target in."""
+        return self.rows.dtype
+
+    def write(self, target: np.ndarray) -> None:
+        self.rows.into(target)
 
     def materialize(self) -> torch.Tensor:
         return torch.from_numpy(self.rows.array())
@@ -129,6 +140,8 @@ class SlotCollate:
         self.key = key
         self._slots: SlotFile | None = None
         self._worker = -1
+        # layout -> its pickle: NOTE [ Batch transport ], "Descriptors"
+        self._described: dict[tuple, bytes] = {}
 
     def __getstate__(self) -> dict:
         return {
@@ -155,12 +168,15 @@ class SlotCollate:
             return _materialized(out)
         offset, capacity = int(slots.table[row, 1]), int(slots.table[row, 2])
         try:
-            _write(slots.region(row, offset, capacity), leaves, layout)
+            _write(slots.region_bytes(row, offset, capacity), leaves, layout)
         except BaseException:
             slots.table[row, 0] = FREE  # nothing was sent: the row is this worker's again
             raise
         slots.table[row, 0] = READY  # the commit: only now can a descriptor be sent
-        return SlotBatch(self.key, self._worker, row, offset, capacity, layout, skeleton)
+        described = self._described.get(layout)
+        if described is None:
+            described = _remember(self._described, layout, pickle.dumps(layout))
+        return SlotBatch(self.key, self._worker, row, offset, capacity, described, skeleton)
 
     def _my_slots(self) -> SlotFile | None:
         if self._slots is None:
@@ -239,20 +255,32 @@ def _nbytes(leaf: Any) -> int:
     return leaf.nbytes() if type(leaf) in DEFERRED else leaf.numel() * leaf.element_size()
 
 
-def _write(region: Any, leaves: list[Any], layout: tuple) -> None:
+def _write(region: np.ndarray, leaves: list[Any], layout: tuple) -> None:
+    # region: the slot region's bytes; each leaf's target is a view of them, a NumPy one where
+    # the leaf can be written through NumPy (fewer conversions than a tensor's)
     for leaf, (kind, dtype, shape, offset, nbytes) in zip(leaves, layout, strict=True):
         if nbytes == 0:
             continue
+        target = region[offset : offset + nbytes]
         if kind == "n":
-            target = np.frombuffer(region, dtype=dtype, count=leaf.size, offset=offset)
-            np.copyto(target.reshape(shape), leaf, casting="no")
-            continue
-        count = nbytes // dtype.itemsize
-        target = torch.frombuffer(region, dtype=dtype, count=count, offset=offset).view(shape)
-        if type(leaf) in DEFERRED:
-            leaf.write(target)
+            np.copyto(target.view(dtype).reshape(shape), leaf, casting="no")
+        elif type(leaf) not in DEFERRED:
+            torch.from_numpy(target).view(dtype).view(shape).copy_(leaf)
+        elif leaf.array_dtype is not None:
+            leaf.write(target.view(leaf.array_dtype).reshape(shape))
         else:
-            target.copy_(leaf)
+            leaf.write(torch.from_numpy(target).view(dtype).view(shape))
+
+
+#: layouts remembered per worker (ragged batches make a new layout each: then none is kept)
+_LAYOUTS_KEPT = 64
+
+
+def _remember(described: dict[tuple, bytes], layout: tuple, pickled: bytes) -> bytes:
+    if len(described) >= _LAYOUTS_KEPT:
+        described.clear()
+    described[layout] = pickled
+    return pickled
 
 
 def _materialized(value: Any) -> Any:

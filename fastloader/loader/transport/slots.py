@@ -57,6 +57,8 @@ class SlotFile:
         if create:
             self._end[0] = HEADER_BYTES
         self._maps: dict[int, tuple[int, int, mmap.mmap]] = {}  # row -> offset, capacity, map
+        self._bytes: dict[int, tuple[mmap.mmap, np.ndarray]] = {}  # row -> map, its bytes
+        self.hint = 0  # the row ``acquire`` tries first (worker)
 
     @classmethod
     def create(cls) -> SlotFile:
@@ -71,6 +73,14 @@ class SlotFile:
         mapping = mmap.mmap(self.fd, capacity, offset=offset)
         self._maps[row] = (offset, capacity, mapping)  # an old one lives on while exported
         return mapping
+
+    def region_bytes(self, row: int, offset: int, capacity: int) -> np.ndarray:
+        """``region``'s bytes as a NumPy array (made once per region)."""
+        mapping = self.region(row, offset, capacity)
+        cached = self._bytes.get(row)
+        if cached is None or cached[0] is not mapping:
+            cached = self._bytes[row] = (mapping, np.frombuffer(mapping, dtype=np.uint8))
+        return cached[1]
 
     def place(self, row: int, capacity: int) -> None:
         """Give ``row`` a new region of ``capacity`` bytes at the end of the file (worker).
@@ -113,18 +123,23 @@ def acquire(slots: SlotFile, size: int) -> int | None:
     """In the worker: a row whose region holds ``size`` bytes, marked WRITING; ``None`` when
     every row is in use (the caller sends the batch the old way)."""
     table = slots.table
-    states = table[:, 0]
-    capacities = table[:, 2]
-    free = np.flatnonzero(states == FREE)
-    if free.size == 0:
-        return None
-    fits = free[capacities[free] >= size]
-    if fits.size:
-        row = int(fits[np.argmin(capacities[fits])])
-    else:  # grow: a never used row first, else the smallest free one gets a bigger region
-        row = int(free[np.argmin(capacities[free])])
-        slots.place(row, round_up(size + size // 8))
+    row = slots.hint
+    # first the row after the last one taken: a training loop frees rows in the order they
+    # were taken, so in steady state that one is free and fits (no search of the table)
+    if not (table[row, 0] == FREE and table[row, 2] >= size):
+        states = table[:, 0]
+        capacities = table[:, 2]
+        free = np.flatnonzero(states == FREE)
+        if free.size == 0:
+            return None
+        fits = free[capacities[free] >= size]
+        if fits.size:
+            row = int(fits[np.argmin(capacities[fits])])
+        else:  # grow: a never used row first, else the smallest free one gets a bigger region
+            row = int(free[np.argmin(capacities[free])])
+            slots.place(row, round_up(size + size // 8))
     table[row, 0] = WRITING
+    slots.hint = row + 1 if row + 1 < ROWS and table[row + 1, 2] else 0
     return row
 
 
