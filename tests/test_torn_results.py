@@ -241,3 +241,56 @@ def test_timeout_fires_while_a_live_worker_leaves_a_message_half_written(tmp_pat
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "TIMED OUT" in run.stdout, run.stdout
+
+
+# -- the reader's buffer: several results per read, a torn tail dropped ----------------------
+
+
+def _guarded_queue(writer_died):
+    import multiprocessing
+
+    from fastloader.loader.result_queue import guard_reads
+
+    queue = multiprocessing.get_context("fork").Queue()
+    reader = guard_reads(queue, [], [])
+    reader._writer_died = writer_died
+    return queue, reader
+
+
+def _send(queue, obj):  # as a put would, the bytes written here
+    import pickle
+
+    queue._sem.acquire()
+    queue._writer.send_bytes(pickle.dumps(obj))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="pipes read as on Linux")
+def test_results_that_arrived_together_are_read_at_once_and_in_order():
+    queue, reader = _guarded_queue(lambda: False)
+    for number in range(5):
+        _send(queue, b"%d" % number * 100)
+    assert queue.get(timeout=5) == b"0" * 100
+    assert not reader._poller.poll(0)  # the pipe is empty: the rest is in the buffer
+    assert not queue.empty()  # and the queue's own poll sees it
+    assert [queue.get(timeout=5) for _ in range(4)] == [b"%d" % n * 100 for n in range(1, 5)]
+    assert queue.empty()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="pipes read as on Linux")
+def test_a_torn_message_after_whole_ones_is_dropped_and_the_whole_ones_kept():
+    import queue as queue_module
+
+    dead = [False]
+    queue, reader = _guarded_queue(lambda: dead[0])
+    _send(queue, b"whole")
+    message = b"torn" * 100
+    queue._sem.acquire()
+    os.write(queue._writer.fileno(), len(message).to_bytes(4, "big") + message[:50])
+    assert queue.get(timeout=5) == b"whole"
+    with pytest.raises(queue_module.Empty):  # a live writer: the partial is kept, not waited on
+        queue.get(timeout=0.2)
+    dead[0] = True
+    reader.drop_torn()  # as the pool does before it replaces the dead worker
+    queue._sem.release()  # the torn message's count
+    _send(queue, b"next")  # the pipe is at the start of a message again
+    assert queue.get(timeout=5) == b"next"

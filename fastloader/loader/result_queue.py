@@ -114,6 +114,7 @@ def guard_reads(result_queue: Any, writing: Any, workers: Sequence[Any]) -> Guar
 
     reader = GuardedReader(result_queue._reader, torn_writer_died)
     result_queue._recv_bytes = reader
+    result_queue._poll = reader.poll  # it sees messages already read into its buffer
     reader.lock = result_queue._rlock
     return reader
 
@@ -126,6 +127,12 @@ class GuardedReader:
     with it. When its writer is dead (``writer_died()``) the partial message is dropped and the
     read answers ``queue.Empty``: the pipe is then at the start of the next message. See
     NOTE [ Torn results ].
+
+    Each read takes every byte in the pipe (up to ``READ_BYTES``) and later calls cut the
+    messages from that buffer, so results that arrived together cost one ``poll`` and one
+    ``read``; ``poll`` stands in for the queue's own (it sees the buffer). A partial message
+    is always the buffer's tail: a writer holds the queue's write lock from its message's
+    first byte to its last.
     """
 
     def __init__(self, reader: Connection, writer_died: Callable[[], bool]) -> None:
@@ -134,46 +141,68 @@ class GuardedReader:
         self._poller = select.poll()  # made once: this runs for every result
         self._poller.register(self._handle, select.POLLIN | select.POLLHUP)
         self.lock: Any = None  # the queue's read lock, held around every read
-        self._expect(4, _LENGTH)
+        self._buffer = bytearray()
+        self._start = 0  # where the next message begins in the buffer
 
-    def _expect(self, size: int, stage: int) -> None:
-        self._buffer = bytearray(size)
-        self._received = 0
-        self._stage = stage
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        """Whether a message can be read (the queue's ``_poll``), waiting up to ``timeout``."""
+        if self._message_end() is not None:
+            return True
+        return bool(self._poller.poll(None if timeout is None else max(0.0, timeout) * 1000))
 
-    def __call__(self) -> bytearray:
+    def __call__(self) -> bytes:
         deadline = time.monotonic() + PATIENCE_S
         while True:
-            self._fill(deadline)
-            if self._stage == _LENGTH:
-                (size,) = struct.unpack("!i", self._buffer)
-                if size == -1:
-                    self._expect(8, _LONG_LENGTH)
-                else:
-                    self._expect(size, _BODY)
-            elif self._stage == _LONG_LENGTH:
-                self._expect(struct.unpack("!Q", self._buffer)[0], _BODY)
-            else:
-                message = self._buffer
-                self._expect(4, _LENGTH)
-                return message
+            end = self._message_end()
+            if end is not None:
+                return self._take(end)
+            self._read(deadline)
 
-    def _fill(self, deadline: float) -> None:
-        view = memoryview(self._buffer)
-        while self._received < len(self._buffer):
-            if self._poller.poll(POLL_S * 1000):
-                count = os.readv(self._handle, [view[self._received :]])
-                if count == 0:
-                    started = self._stage == _LENGTH and self._received == 0
-                    raise EOFError if started else OSError("got end of file during message")
-                self._received += count
-            elif self._writer_died():
-                self._expect(4, _LENGTH)
-                raise queue.Empty  # see NOTE [ Torn results ]
-            elif time.monotonic() >= deadline:
-                raise queue.Empty  # the partial message is kept for the next call
-            else:
-                time.sleep(0)  # nothing yet from a live writer: keep waiting
+    def _message_end(self) -> tuple[int, int] | None:
+        # (where the next message's body begins, where it ends) if it is whole in the buffer
+        buffer, start = self._buffer, self._start
+        have = len(buffer) - start
+        if have < 4:
+            return None
+        (size,) = struct.unpack_from("!i", buffer, start)
+        body = start + 4
+        if size == -1:  # over 2 GB: 8 more bytes of length
+            if have < 12:
+                return None
+            (size,) = struct.unpack_from("!Q", buffer, body)
+            body += 8
+        return (body, body + size) if len(buffer) >= body + size else None
+
+    def _take(self, end: tuple[int, int]) -> bytes:
+        body, stop = end
+        buffer = self._buffer
+        message = bytes(buffer[body:stop])
+        if stop == len(buffer):
+            buffer.clear()
+            stop = 0
+        elif stop > READ_BYTES:  # read past: drop it
+            del buffer[:stop]
+            stop = 0
+        self._start = stop
+        return message
+
+    def _read(self, deadline: float) -> None:
+        if self._poller.poll(POLL_S * 1000):
+            chunk = os.read(self._handle, READ_BYTES)
+            if not chunk:
+                started = len(self._buffer) == self._start
+                raise EOFError if started else OSError("got end of file during message")
+            self._buffer += chunk
+        elif self._writer_died():
+            self._drop_partial()
+            raise queue.Empty  # see NOTE [ Torn results ]
+        elif time.monotonic() >= deadline:
+            raise queue.Empty  # the partial message is kept for the next call
+        else:
+            time.sleep(0)  # nothing yet from a live writer: keep waiting
+
+    def _drop_partial(self) -> None:
+        del self._buffer[self._start :]
 
     def drop_torn(self) -> None:
         """Drop a partial message whose writer is dead; the pool calls this before it
@@ -181,11 +210,12 @@ class GuardedReader:
         if self.lock is not None and not self.lock.acquire(timeout=2 * PATIENCE_S + 1):
             return  # a read in another thread (pin memory) holds it, and will drop it itself
         try:
-            if (self._stage != _LENGTH or self._received) and self._writer_died():
-                self._expect(4, _LENGTH)
+            partial = len(self._buffer) > self._start and self._message_end() is None
+            if partial and self._writer_died():
+                self._drop_partial()
         finally:
             if self.lock is not None:
                 self.lock.release()
 
 
-_LENGTH, _LONG_LENGTH, _BODY = 0, 1, 2  # what a GuardedReader is reading
+READ_BYTES = 1 << 16  # a pipe's default capacity

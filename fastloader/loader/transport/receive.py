@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from fastloader.datasets.collate import plain_values
-from fastloader.loader.transport.slots import SlotFile
+from fastloader.loader.transport.slots import SlotFile, numpy_dtype
 
 _registry: dict[int, list[SlotFile]] = {}  # key -> the slot files of one worker pool
 _keys = itertools.count(1)
@@ -69,17 +69,20 @@ def rebuild(
     return _fill(skeleton, arrays)
 
 
-_layouts: dict[bytes, tuple[int, tuple]] = {}  # pickled layout -> bytes used, its entries
+_layouts: dict[bytes, tuple[int, list]] = {}  # pickled layout -> bytes used, its entries
 _LAYOUTS_KEPT = 256  # ragged batches make a new layout each: then none is kept
 
 
-def _unpickled_layout(pickled: bytes) -> tuple[int, tuple]:
+def _unpickled_layout(pickled: bytes) -> tuple[int, list]:
+    # each entry: (kind, dtype, shape, offset, nbytes, the NumPy dtype a tensor is viewed
+    # through, or None where NumPy has none: bfloat16, float8, ...)
     layout = pickle.loads(pickled)
     used = max(1, max((entry[3] + entry[4] for entry in layout), default=1))
+    entries = [(*entry, numpy_dtype(entry[1]) if entry[0] == "t" else None) for entry in layout]
     if len(_layouts) >= _LAYOUTS_KEPT:
         _layouts.clear()
-    _layouts[pickled] = (used, layout)
-    return used, layout
+    _layouts[pickled] = (used, entries)
+    return used, entries
 
 
 def _free(slots: SlotFile, row: int, pid: int) -> None:
@@ -88,12 +91,14 @@ def _free(slots: SlotFile, row: int, pid: int) -> None:
 
 
 def _view(owner: Any, entry: tuple) -> Any:
-    kind, dtype, shape, offset, nbytes = entry
+    # every view keeps ``owner`` alive (an ndarray holds the object whose buffer it views)
+    kind, dtype, shape, offset, nbytes, as_numpy = entry
     if kind == "n":
-        count = nbytes // dtype.itemsize if dtype.itemsize else 0
-        return np.frombuffer(owner, dtype=dtype, count=count, offset=offset).reshape(shape)
+        return np.ndarray(shape, dtype, owner, offset)
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
+    if as_numpy is not None:  # a third of torch.frombuffer and a view
+        return torch.from_numpy(np.ndarray(shape, as_numpy, owner, offset))
     count = nbytes // dtype.itemsize
     return torch.frombuffer(owner, dtype=dtype, count=count, offset=offset).view(shape)
 

@@ -25,9 +25,11 @@ from fastloader.loader.transport.slots import (
     READY,
     SlotFile,
     acquire,
+    numpy_dtype,
     reclaim_torn,
     reduce_fd,
     restore_fd,
+    torch_dtype,
 )
 
 ALIGN = 64  # bytes: every leaf starts on a cache line (and on any dtype's alignment)
@@ -109,16 +111,6 @@ class Gather:
 #: leaves written into the slot by their own ``write`` (``Stack``, ``Gather``)
 DEFERRED = (Stack, Gather)
 
-_TORCH_DTYPES: dict[np.dtype, torch.dtype] = {}
-
-
-def torch_dtype(dtype: np.dtype) -> torch.dtype:
-    """The torch dtype of a NumPy dtype (as ``torch.from_numpy`` gives it)."""
-    found = _TORCH_DTYPES.get(dtype)
-    if found is None:
-        found = _TORCH_DTYPES[dtype] = torch.from_numpy(np.empty(0, dtype)).dtype
-    return found
-
 
 def _same(value: Any) -> Any:
     return value
@@ -168,7 +160,7 @@ class SlotCollate:
             return _materialized(out)
         offset, capacity = int(slots.table[row, 1]), int(slots.table[row, 2])
         try:
-            _write(slots.region_bytes(row, offset, capacity), leaves, layout)
+            _write(slots.region(row, offset, capacity), leaves, layout)
         except BaseException:
             slots.table[row, 0] = FREE  # nothing was sent: the row is this worker's again
             raise
@@ -255,21 +247,31 @@ def _nbytes(leaf: Any) -> int:
     return leaf.nbytes() if type(leaf) in DEFERRED else leaf.numel() * leaf.element_size()
 
 
-def _write(region: np.ndarray, leaves: list[Any], layout: tuple) -> None:
-    # region: the slot region's bytes; each leaf's target is a view of them, a NumPy one where
-    # the leaf can be written through NumPy (fewer conversions than a tensor's)
+def _write(region: Any, leaves: list[Any], layout: tuple) -> None:
+    # each leaf's target is a view of the region: a NumPy one where the leaf is written
+    # through NumPy, a tensor made through NumPy where NumPy has the dtype (a third of
+    # torch.frombuffer and a view)
     for leaf, (kind, dtype, shape, offset, nbytes) in zip(leaves, layout, strict=True):
         if nbytes == 0:
             continue
-        target = region[offset : offset + nbytes]
+        deferred = type(leaf) in DEFERRED
         if kind == "n":
-            np.copyto(target.view(dtype).reshape(shape), leaf, casting="no")
-        elif type(leaf) not in DEFERRED:
-            torch.from_numpy(target).view(dtype).view(shape).copy_(leaf)
-        elif leaf.array_dtype is not None:
-            leaf.write(target.view(leaf.array_dtype).reshape(shape))
+            np.copyto(np.ndarray(shape, dtype, region, offset), leaf, casting="no")
+            continue
+        if deferred and leaf.array_dtype is not None:
+            leaf.write(np.ndarray(shape, leaf.array_dtype, region, offset))
+            continue
+        as_numpy = numpy_dtype(dtype)
+        if as_numpy is not None:
+            target = torch.from_numpy(np.ndarray(shape, as_numpy, region, offset))
         else:
-            leaf.write(torch.from_numpy(target).view(dtype).view(shape))
+            count = nbytes // dtype.itemsize
+            target = torch.frombuffer(region, dtype=dtype, count=count, offset=offset)
+            target = target.view(shape)
+        if deferred:
+            leaf.write(target)
+        else:
+            target.copy_(leaf)
 
 
 #: layouts remembered per worker (ragged batches make a new layout each: then none is kept)

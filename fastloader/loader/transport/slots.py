@@ -2,7 +2,8 @@
 
 Used by both sides: the worker writes batches into regions (``send.py``), the main process
 maps them as tensors and frees them (``receive.py``). See NOTE [ Batch transport ] in
-``__init__.py`` for the design; this module is the memory and the table.
+``__init__.py`` for the design; this module is the memory and the table (and the dtype
+conversions both sides make).
 
 A file holds a header page (the table) and regions after it. Table row ``i`` is
 ``(state, offset, capacity)``; ``state`` moves FREE -> WRITING -> READY in the worker and
@@ -19,6 +20,7 @@ import tempfile
 from typing import Any
 
 import numpy as np
+import torch
 
 FREE, WRITING, READY = 0, 1, 2
 ROWS = 64  # regions per worker slot; past that, batches travel the old way (pickled)
@@ -57,7 +59,6 @@ class SlotFile:
         if create:
             self._end[0] = HEADER_BYTES
         self._maps: dict[int, tuple[int, int, mmap.mmap]] = {}  # row -> offset, capacity, map
-        self._bytes: dict[int, tuple[mmap.mmap, np.ndarray]] = {}  # row -> map, its bytes
         self.hint = 0  # the row ``acquire`` tries first (worker)
 
     @classmethod
@@ -73,14 +74,6 @@ class SlotFile:
         mapping = mmap.mmap(self.fd, capacity, offset=offset)
         self._maps[row] = (offset, capacity, mapping)  # an old one lives on while exported
         return mapping
-
-    def region_bytes(self, row: int, offset: int, capacity: int) -> np.ndarray:
-        """``region``'s bytes as a NumPy array (made once per region)."""
-        mapping = self.region(row, offset, capacity)
-        cached = self._bytes.get(row)
-        if cached is None or cached[0] is not mapping:
-            cached = self._bytes[row] = (mapping, np.frombuffer(mapping, dtype=np.uint8))
-        return cached[1]
 
     def place(self, row: int, capacity: int) -> None:
         """Give ``row`` a new region of ``capacity`` bytes at the end of the file (worker).
@@ -163,3 +156,31 @@ def reduce_fd(fd: int) -> Any:
 def restore_fd(value: Any) -> int:
     """The file descriptor ``reduce_fd`` gave, in this process."""
     return value if isinstance(value, int) else value.detach()
+
+
+# -- dtypes, as both sides convert them ---------------------------------------------------
+
+_TORCH_DTYPES: dict[np.dtype, Any] = {}
+_NUMPY_DTYPES: dict[Any, np.dtype | None] = {}
+
+
+def torch_dtype(dtype: np.dtype) -> Any:
+    """The torch dtype of a NumPy dtype (as ``torch.from_numpy`` gives it)."""
+    found = _TORCH_DTYPES.get(dtype)
+    if found is None:
+        found = _TORCH_DTYPES[dtype] = torch.from_numpy(np.empty(0, dtype)).dtype
+    return found
+
+
+def numpy_dtype(dtype: Any) -> np.dtype | None:
+    """The NumPy dtype of a torch dtype, or None where NumPy has none (bfloat16, float8...)."""
+    try:
+        return _NUMPY_DTYPES[dtype]
+    except KeyError:
+        pass
+    try:
+        found = torch.empty(0, dtype=dtype).numpy().dtype
+    except TypeError:
+        found = None
+    _NUMPY_DTYPES[dtype] = found
+    return found
