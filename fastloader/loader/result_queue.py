@@ -146,8 +146,11 @@ class GuardedReader:
 
     def poll(self, timeout: float | None = 0.0) -> bool:
         """Whether a message can be read (the queue's ``_poll``), waiting up to ``timeout``."""
-        if self._message_end() is not None:
-            return True
+        try:  # (Queue.get polls without the read lock: a reading thread may change the buffer)
+            if self._message_end() is not None:
+                return True
+        except struct.error:
+            return True  # changed while looked at: the locked read will see
         return bool(self._poller.poll(None if timeout is None else max(0.0, timeout) * 1000))
 
     def __call__(self) -> bytes:
