@@ -35,12 +35,13 @@ from __future__ import annotations
 import os
 import queue
 import select
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
+
+from fastloader.loader.transport.pipes import READ_BYTES, Framed
 
 POLL_S = 0.05  # how long a read waits for more bytes before checking for a dead writer
 PATIENCE_S = 0.5  # how long one read waits on an incomplete message before answering Empty
@@ -141,71 +142,39 @@ class GuardedReader:
         self._poller = select.poll()  # made once: this runs for every result
         self._poller.register(self._handle, select.POLLIN | select.POLLHUP)
         self.lock: Any = None  # the queue's read lock, held around every read
-        self._buffer = bytearray()
-        self._start = 0  # where the next message begins in the buffer
+        self._framed = Framed()
 
     def poll(self, timeout: float | None = 0.0) -> bool:
-        """Whether a message can be read (the queue's ``_poll``), waiting up to ``timeout``."""
-        try:  # (Queue.get polls without the read lock: a reading thread may change the buffer)
-            if self._message_end() is not None:
-                return True
-        except struct.error:
-            return True  # changed while looked at: the locked read will see
+        """Whether a message can be read (the queue's ``_poll``), waiting up to ``timeout``.
+        (Called without the read lock: a thread reading meanwhile costs a wrong answer at
+        worst, which the locked read corrects.)"""
+        if self._framed.whole():
+            return True
         return bool(self._poller.poll(None if timeout is None else max(0.0, timeout) * 1000))
 
     def __call__(self) -> bytes:
         deadline = time.monotonic() + PATIENCE_S
         while True:
-            end = self._message_end()
-            if end is not None:
-                return self._take(end)
+            message = self._framed.take()
+            if message is not None:
+                return message
             self._read(deadline)
-
-    def _message_end(self) -> tuple[int, int] | None:
-        # (where the next message's body begins, where it ends) if it is whole in the buffer
-        buffer, start = self._buffer, self._start
-        have = len(buffer) - start
-        if have < 4:
-            return None
-        (size,) = struct.unpack_from("!i", buffer, start)
-        body = start + 4
-        if size == -1:  # over 2 GB: 8 more bytes of length
-            if have < 12:
-                return None
-            (size,) = struct.unpack_from("!Q", buffer, body)
-            body += 8
-        return (body, body + size) if len(buffer) >= body + size else None
-
-    def _take(self, end: tuple[int, int]) -> bytes:
-        body, stop = end
-        buffer = self._buffer
-        message = bytes(buffer[body:stop])
-        if stop == len(buffer):
-            buffer.clear()
-            stop = 0
-        elif stop > READ_BYTES:  # read past: drop it
-            del buffer[:stop]
-            stop = 0
-        self._start = stop
-        return message
 
     def _read(self, deadline: float) -> None:
         if self._poller.poll(POLL_S * 1000):
             chunk = os.read(self._handle, READ_BYTES)
             if not chunk:
-                started = len(self._buffer) == self._start
-                raise EOFError if started else OSError("got end of file during message")
-            self._buffer += chunk
+                if self._framed.begun():
+                    raise OSError("got end of file during message")
+                raise EOFError
+            self._framed.feed(chunk)
         elif self._writer_died():
-            self._drop_partial()
+            self._framed.drop_begun()
             raise queue.Empty  # see NOTE [ Torn results ]
         elif time.monotonic() >= deadline:
             raise queue.Empty  # the partial message is kept for the next call
         else:
             time.sleep(0)  # nothing yet from a live writer: keep waiting
-
-    def _drop_partial(self) -> None:
-        del self._buffer[self._start :]
 
     def drop_torn(self) -> None:
         """Drop a partial message whose writer is dead; the pool calls this before it
@@ -213,12 +182,8 @@ class GuardedReader:
         if self.lock is not None and not self.lock.acquire(timeout=2 * PATIENCE_S + 1):
             return  # a read in another thread (pin memory) holds it, and will drop it itself
         try:
-            partial = len(self._buffer) > self._start and self._message_end() is None
-            if partial and self._writer_died():
-                self._drop_partial()
+            if self._framed.begun() and not self._framed.whole() and self._writer_died():
+                self._framed.drop_begun()
         finally:
             if self.lock is not None:
                 self.lock.release()
-
-
-READ_BYTES = 1 << 16  # a pipe's default capacity

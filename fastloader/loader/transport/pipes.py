@@ -125,6 +125,65 @@ class _Pickled:
         return (pickle.loads, (self.message,))
 
 
+class Framed:
+    """Bytes read from a pipe, cut into multiprocessing's messages (``Connection.send_bytes``:
+    a 4-byte big-endian length, or -1 and 8 more bytes of it, then the body)."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._start = 0  # where the next message's length begins
+
+    def feed(self, chunk: bytes) -> None:
+        """Append bytes read from the pipe."""
+        self._buffer += chunk
+
+    def begun(self) -> bool:
+        """Whether bytes of a message not yet taken are held (whole or not)."""
+        return len(self._buffer) > self._start
+
+    def whole(self) -> bool:
+        """Whether the next message is whole."""
+        return self._bounds() is not None
+
+    def take(self) -> bytes | None:
+        """The next message's body if it is whole, else None."""
+        bounds = self._bounds()
+        if bounds is None:
+            return None
+        body, stop = bounds
+        buffer = self._buffer
+        message = bytes(buffer[body:stop])
+        if stop == len(buffer):
+            buffer.clear()
+            stop = 0
+        elif stop > READ_BYTES:  # read past: drop it
+            del buffer[:stop]
+            stop = 0
+        self._start = stop
+        return message
+
+    def drop_begun(self) -> None:
+        """Forget a message begun (its writer died: NOTE [ Torn results ])."""
+        del self._buffer[self._start :]
+
+    def _bounds(self) -> tuple[int, int] | None:
+        buffer, start = self._buffer, self._start
+        have = len(buffer) - start
+        if have < 4:
+            return None
+        size = int.from_bytes(buffer[start : start + 4], "big", signed=True)
+        body = start + 4
+        if size == -1:  # over 2 GB
+            if have < 12:
+                return None
+            size = int.from_bytes(buffer[body : body + 8], "big")
+            body += 8
+        return (body, body + size) if len(buffer) >= body + size else None
+
+
+READ_BYTES = 1 << 16  # a pipe's default capacity: what one read takes at most
+
+
 class BufferedGet:
     """``queue.get`` for the only reader of ``queue``: every message in the pipe in one read
     (see the NOTE, "Reading tasks"). Raises ``queue.Empty`` and ``EOFError`` as ``get`` does."""
@@ -134,11 +193,10 @@ class BufferedGet:
         self._fd = queue._reader.fileno()
         self._readable = select.poll()
         self._readable.register(self._fd, select.POLLIN)
-        self._buffer = bytearray()
-        self._start = 0  # where the next message's length begins in the buffer
+        self._framed = Framed()
 
     def __call__(self, block: bool = True, timeout: float | None = None) -> Any:
-        message = self._next()
+        message = self._framed.take()
         if message is None:
             deadline = None if timeout is None or not block else time.monotonic() + timeout
             while message is None:  # (never blocks in read: a torn message times out too)
@@ -150,41 +208,13 @@ class BufferedGet:
                     wait_ms = max(0.0, deadline - time.monotonic()) * 1000
                 if not self._readable.poll(wait_ms):
                     raise Empty
-                chunk = os.read(self._fd, _READ_BYTES)
+                chunk = os.read(self._fd, READ_BYTES)
                 if not chunk:
                     raise EOFError
-                self._buffer += chunk
-                message = self._next()
+                self._framed.feed(chunk)
+                message = self._framed.take()
         self._queue._sem.release()  # as Queue.get: the count put() acquired
         return pickle.loads(message)
-
-    def _next(self) -> bytes | None:
-        # one message of multiprocessing's framing (Connection.send_bytes), or None
-        buffer, start = self._buffer, self._start
-        have = len(buffer) - start
-        if have < 4:
-            return None
-        size = int.from_bytes(buffer[start : start + 4], "big", signed=True)
-        head = 4
-        if size == -1:  # over 2 GB: 8 more bytes of length
-            if have < 12:
-                return None
-            size, head = int.from_bytes(buffer[start + 4 : start + 12], "big"), 12
-        if have < head + size:
-            return None
-        message = bytes(buffer[start + head : start + head + size])
-        start += head + size
-        if start == len(buffer):
-            buffer.clear()
-            start = 0
-        elif start > _READ_BYTES:  # read past: drop it
-            del buffer[:start]
-            start = 0
-        self._start = start
-        return message
-
-
-_READ_BYTES = 1 << 16  # a pipe's default capacity
 
 
 #: False leaves every queue to its feeder thread (benchmarks/transport.py measures both).
