@@ -294,3 +294,29 @@ def test_a_torn_message_after_whole_ones_is_dropped_and_the_whole_ones_kept():
     queue._sem.release()  # the torn message's count
     _send(queue, b"next")  # the pipe is at the start of a message again
     assert queue.get(timeout=5) == b"next"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="pipes read as on Linux")
+def test_a_large_result_is_read_whole_and_a_torn_large_one_dropped():
+    import queue as queue_module
+    import threading
+
+    dead = [False]
+    queue, reader = _guarded_queue(lambda: dead[0])
+    big = bytes(range(256)) * 4000  # 1 MB: many reads, its body read straight into its buffer
+    writer = threading.Thread(target=_send, args=(queue, big))
+    writer.start()
+    assert queue.get(timeout=5) == big
+    writer.join()
+    # a large message cut short by its writer's death: dropped, and the next one is whole
+    message = b"x" * 200_000
+    queue._sem.acquire()
+    os.write(queue._writer.fileno(), len(message).to_bytes(4, "big") + message[:30_000])
+    with pytest.raises(queue_module.Empty):
+        queue.get(timeout=0.2)
+    assert reader._framed.room() is not None  # reading the body into its own buffer
+    dead[0] = True
+    reader.drop_torn()
+    queue._sem.release()
+    _send(queue, b"after")
+    assert queue.get(timeout=5) == b"after"

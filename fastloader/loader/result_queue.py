@@ -32,7 +32,6 @@ starts, the pool asks the reader to drop a partial message of the dead writer
 
 from __future__ import annotations
 
-import os
 import queue
 import select
 import threading
@@ -41,7 +40,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from fastloader.loader.transport.pipes import READ_BYTES, Framed
+from fastloader.loader.transport.pipes import Framed, read_into
 
 POLL_S = 0.05  # how long a read waits for more bytes before checking for a dead writer
 PATIENCE_S = 0.5  # how long one read waits on an incomplete message before answering Empty
@@ -162,12 +161,11 @@ class GuardedReader:
 
     def _read(self, deadline: float) -> None:
         if self._poller.poll(POLL_S * 1000):
-            chunk = os.read(self._handle, READ_BYTES)
-            if not chunk:
-                if self._framed.begun():
+            begun = self._framed.begun()
+            if not read_into(self._handle, self._framed):
+                if begun:
                     raise OSError("got end of file during message")
                 raise EOFError
-            self._framed.feed(chunk)
         elif self._writer_died():
             self._framed.drop_begun()
             raise queue.Empty  # see NOTE [ Torn results ]

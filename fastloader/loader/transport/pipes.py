@@ -127,32 +127,59 @@ class _Pickled:
 
 class Framed:
     """Bytes read from a pipe, cut into multiprocessing's messages (``Connection.send_bytes``:
-    a 4-byte big-endian length, or -1 and 8 more bytes of it, then the body)."""
+    a 4-byte big-endian length, or -1 and 8 more bytes of it, then the body).
+
+    Small messages are read in chunks of whatever the pipe holds; the body of a message bigger
+    than a chunk is read straight into a buffer of its size (``room``), as
+    ``Connection.recv_bytes`` does, so a large result is not copied again here.
+    """
 
     def __init__(self) -> None:
         self._buffer = bytearray()
         self._start = 0  # where the next message's length begins
+        self._body: bytearray | None = None  # a large message's body, being read into
+        self._received = 0  # bytes of it read
+
+    def room(self) -> memoryview | None:
+        """Where the next read goes while a large message's body is read (its rest); None:
+        read a chunk and ``feed`` it."""
+        if self._body is None:
+            return None
+        return memoryview(self._body)[self._received :]
+
+    def received(self, count: int) -> None:
+        """``count`` bytes were read into ``room()``."""
+        self._received += count
 
     def feed(self, chunk: bytes) -> None:
         """Append bytes read from the pipe."""
         self._buffer += chunk
+        if self._bounds() is None:
+            self._read_body_directly()
 
     def begun(self) -> bool:
         """Whether bytes of a message not yet taken are held (whole or not)."""
-        return len(self._buffer) > self._start
+        return self._body is not None or len(self._buffer) > self._start
 
     def whole(self) -> bool:
         """Whether the next message is whole."""
+        if self._body is not None:
+            return self._received == len(self._body)
         return self._bounds() is not None
 
-    def take(self) -> bytes | None:
+    def take(self) -> bytes | bytearray | None:
         """The next message's body if it is whole, else None."""
+        if self._body is not None:
+            if self._received < len(self._body):
+                return None
+            body, self._body = self._body, None
+            return body
         bounds = self._bounds()
         if bounds is None:
             return None
-        body, stop = bounds
+        body_at, stop = bounds
         buffer = self._buffer
-        message = bytes(buffer[body:stop])
+        message = bytes(buffer[body_at:stop])
         if stop == len(buffer):
             buffer.clear()
             stop = 0
@@ -164,21 +191,52 @@ class Framed:
 
     def drop_begun(self) -> None:
         """Forget a message begun (its writer died: NOTE [ Torn results ])."""
+        self._body = None
         del self._buffer[self._start :]
 
-    def _bounds(self) -> tuple[int, int] | None:
+    def _read_body_directly(self) -> None:
+        # the next message is incomplete: if it is large, its body goes to a buffer of its own
+        header = self._header()
+        if header is None or header[1] <= READ_BYTES:
+            return
+        body_at, size = header
+        held = self._buffer[body_at:]
+        self._body = bytearray(size)
+        self._body[: len(held)] = held
+        self._received = len(held)
+        del self._buffer[self._start :]  # nothing follows an incomplete message
+
+    def _header(self) -> tuple[int, int] | None:
+        # (where the next message's body begins, its size), once its length is whole
         buffer, start = self._buffer, self._start
         have = len(buffer) - start
         if have < 4:
             return None
         size = int.from_bytes(buffer[start : start + 4], "big", signed=True)
-        body = start + 4
-        if size == -1:  # over 2 GB
-            if have < 12:
-                return None
-            size = int.from_bytes(buffer[body : body + 8], "big")
-            body += 8
-        return (body, body + size) if len(buffer) >= body + size else None
+        if size != -1:
+            return start + 4, size
+        if have < 12:  # over 2 GB: 8 more bytes of length
+            return None
+        return start + 12, int.from_bytes(buffer[start + 4 : start + 12], "big")
+
+    def _bounds(self) -> tuple[int, int] | None:
+        header = self._header()
+        if header is None:
+            return None
+        body_at, size = header
+        return (body_at, body_at + size) if len(self._buffer) >= body_at + size else None
+
+
+def read_into(fd: int, framed: Framed) -> bool:
+    """One read from ``fd`` into ``framed``; False at end of file."""
+    room = framed.room()
+    if room is not None:
+        count = os.readv(fd, [room])
+        framed.received(count)
+        return count > 0
+    chunk = os.read(fd, READ_BYTES)
+    framed.feed(chunk)
+    return bool(chunk)
 
 
 READ_BYTES = 1 << 16  # a pipe's default capacity: what one read takes at most
@@ -208,10 +266,8 @@ class BufferedGet:
                     wait_ms = max(0.0, deadline - time.monotonic()) * 1000
                 if not self._readable.poll(wait_ms):
                     raise Empty
-                chunk = os.read(self._fd, READ_BYTES)
-                if not chunk:
+                if not read_into(self._fd, self._framed):
                     raise EOFError
-                self._framed.feed(chunk)
                 message = self._framed.take()
         self._queue._sem.release()  # as Queue.get: the count put() acquired
         return pickle.loads(message)
