@@ -209,3 +209,19 @@ def test_workers_read_their_tasks_through_buffered_get(start):
         assert [flag for batch in loader for flag in batch.tolist()] == [True] * 8
     finally:
         loader.close()
+
+
+def test_dumps_uses_a_reducer_registered_again_for_the_same_type():
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    class Special:
+        pass
+
+    ForkingPickler.register(Special, lambda obj: (str, ("first",)))
+    try:
+        assert pickle.loads(pipes.dumps(Special())) == "first"
+        ForkingPickler.register(Special, lambda obj: (str, ("second",)))  # same table size
+        assert pickle.loads(pipes.dumps(Special())) == "second"
+    finally:
+        del ForkingPickler._extra_reducers[Special]

@@ -320,3 +320,27 @@ def test_a_large_result_is_read_whole_and_a_torn_large_one_dropped():
     queue._sem.release()
     _send(queue, b"after")
     assert queue.get(timeout=5) == b"after"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="pipes read as on Linux")
+def test_queue_empty_from_another_thread_while_results_are_read_never_raises():
+    import threading
+
+    queue, _ = _guarded_queue(lambda: False)
+    count = 300
+    errors = []
+
+    def read():
+        for _ in range(count):
+            queue.get(timeout=5)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    for number in range(count):
+        _send(queue, number)
+        try:
+            queue.empty()  # the queue's poll, without its read lock, while the reader polls
+        except Exception as error:  # noqa: BLE001 - any error is the failure
+            errors.append(error)
+    reader.join(timeout=30)
+    assert not errors and not reader.is_alive()

@@ -321,3 +321,29 @@ def test_stacking_into_a_batch_refuses_what_np_stack_refuses():
     scalars = [np.array(1.5), np.array(2.5)]
     stack_arrays(scalars, scalars_out := np.empty(2))
     assert scalars_out.tolist() == [1.5, 2.5]
+
+
+def test_a_small_batch_takes_the_smallest_free_region_not_the_next_big_one():
+    # rows are tried in turn first (the steady state), but only on a tight fit: a small batch
+    # taking a big free region would make the next big batch grow another (twice the memory
+    # with ragged batches)
+    from fastloader.loader.transport import slots
+
+    file = slots.SlotFile.create()
+    try:
+        big = slots.acquire(file, 10_000_000)
+        small = slots.acquire(file, 1_000_000)
+        file.free(big)
+        file.free(small)
+        assert file.hint == big  # the row after the last one taken wraps to the big one
+        assert slots.acquire(file, 1_000_000) == small
+        assert slots.acquire(file, 10_000_000) == big  # and the big batch still has its own
+        file.free(big)
+        file.free(small)
+        before = file.bytes_in_use()
+        for size in [1_000_000, 10_000_000] * 20:  # ragged, freed in order
+            row = slots.acquire(file, size)
+            file.free(row)
+        assert file.bytes_in_use() == before
+    finally:
+        file.close()

@@ -145,11 +145,18 @@ class GuardedReader:
 
     def poll(self, timeout: float | None = 0.0) -> bool:
         """Whether a message can be read (the queue's ``_poll``), waiting up to ``timeout``.
-        (Called without the read lock: a thread reading meanwhile costs a wrong answer at
-        worst, which the locked read corrects.)"""
-        if self._framed.whole():
+
+        A message begun counts as readable, as the pipe's own poll counted it before it was
+        read: the read then waits for its rest at most ``PATIENCE_S``, and drops it if its
+        writer died (never a long wait holding the read lock while a torn message sits in
+        the buffer). ``Queue.empty()`` calls this without the lock: a thread reading
+        meanwhile costs a wrong answer at worst, which the locked read corrects."""
+        if self._framed.begun():
             return True
-        return bool(self._poller.poll(None if timeout is None else max(0.0, timeout) * 1000))
+        try:
+            return bool(self._poller.poll(None if timeout is None else max(0.0, timeout) * 1000))
+        except RuntimeError:  # polled by another thread this moment ("concurrent poll()")
+            return True
 
     def __call__(self) -> bytes:
         deadline = time.monotonic() + PATIENCE_S

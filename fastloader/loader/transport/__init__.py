@@ -55,11 +55,13 @@ rate for a user's HDF5 fields). Here a batch costs one copy, made in the worker:
   process keeps each pickle's unpickled layout (``receive._layouts``). Both keep a bounded
   number, so ragged batches (a new layout each) only lose the saving. The worker writes leaves
   through NumPy views of the region where it can (``Gather``, stacked arrays, arrays), and
-  ``acquire`` tries the row after the last one taken before searching the table.
+  ``acquire`` tries the row after the last one taken (on a tight fit) before searching the
+  table.
 * **Reading, zero copy.** Unpickling a ``SlotBatch`` in the main process (wherever torch
   unpickles: the main thread, or the pin-memory thread) calls ``receive.rebuild``: it maps
   the region once (cached per row), wraps it in one buffer object per batch, and makes every
-  leaf a tensor or array *view* of it (``torch.frombuffer``/``np.frombuffer``). Nothing is
+  leaf a tensor or array *view* of it (``np.ndarray`` over that object, and
+  ``torch.from_numpy`` of it; ``torch.frombuffer`` for dtypes NumPy lacks). Nothing is
   copied in the main process: the main-process cost is the same for 2 KB and 10 MB batches.
 * **Slot lifetime.** The per-batch buffer object carries a finalizer that marks the row FREE.
   Every view (and every view of a view, ``.numpy()``, slices) keeps that object alive, so a

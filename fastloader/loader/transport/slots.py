@@ -118,8 +118,11 @@ def acquire(slots: SlotFile, size: int) -> int | None:
     table = slots.table
     row = slots.hint
     # first the row after the last one taken: a training loop frees rows in the order they
-    # were taken, so in steady state that one is free and fits (no search of the table)
-    if not (table[row, 0] == FREE and table[row, 2] >= size):
+    # were taken, so in steady state that one is free and fits (no search of the table); only
+    # a tight fit, as a region grown for this size would be (else a small batch could take a
+    # big region and the next big batch grow another: ragged batches, twice the memory)
+    capacity = table[row, 2]
+    if not (table[row, 0] == FREE and size <= capacity <= round_up(size + size // 8)):
         states = table[:, 0]
         capacities = table[:, 2]
         free = np.flatnonzero(states == FREE)
