@@ -378,3 +378,23 @@ def test_an_epoch_that_starts_persistent_workers_is_not_told_to_keep_them():
     step = loader.stats.last.next_step()
     assert "keep workers persistent" not in step
     assert loader.stats.last.worker_startup_s > 0
+
+
+def test_the_memory_for_the_page_cache_is_read_at_most_once_a_second(monkeypatch):
+    """Short epochs share one reading of /proc and the cgroups (130 us each, a third of an
+    epoch's start for cheap data); a reading older than a second is taken again."""
+    from fastloader.stats import settings as settings_module
+
+    readings = iter(range(1, 100))
+    monkeypatch.setattr(settings_module, "memory_for_cache", lambda: next(readings) << 30)
+    monkeypatch.setattr(settings_module, "_memory_read", (float("-inf"), None))
+    loader = DataLoader(list(range(8)), batch_size=4)
+    for _ in range(3):
+        list(loader)
+    assert [epoch.settings.memory_bytes for epoch in loader.stats.epochs] == [1 << 30] * 3
+    read_at, _ = settings_module._memory_read
+    monkeypatch.setattr(
+        settings_module, "_memory_read", (read_at - settings_module.MEMORY_READ_EVERY_S, 1 << 30)
+    )
+    list(loader)
+    assert loader.stats.epochs[-1].settings.memory_bytes == 2 << 30

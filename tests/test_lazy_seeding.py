@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import Dataset
 
 from fastloader import DataLoader
-from fastloader.loader.rngs import FINGERPRINTS, StateKeeper
+from fastloader.loader.rngs import FINGERPRINTS, StateKeeper, StateReads, all_fingerprints
 from fastloader.loader.seeding import resolve_seed_rngs
 from fastloader.sampling.seeds import batch_seeds, sample_seed
 
@@ -172,9 +172,64 @@ def test_batch_seeds_equal_sample_seeds_for_every_kind_of_index():
 )
 def test_every_kind_of_draw_moves_a_fingerprint(draw):
     before = [fingerprint() for fingerprint in FINGERPRINTS]
-    assert [fingerprint() for fingerprint in FINGERPRINTS] == before
+    assert [fingerprint() for fingerprint in FINGERPRINTS] == before == all_fingerprints()
     draw()
     assert [fingerprint() for fingerprint in FINGERPRINTS] != before
+    assert all_fingerprints() != before  # the one call an unseeded batch makes
+
+
+class DrawsLate(Dataset):
+    """Draws from NumPy's global RNG at index 5, only once ``late`` is set (after the probe)."""
+
+    def __init__(self) -> None:
+        self.late = False
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i):
+        draw = float(np.random.rand()) if self.late and i == 5 else 0.0
+        return torch.tensor([float(i), draw], dtype=torch.float64)
+
+
+@pytest.mark.filterwarnings("ignore:.*numpy.random")
+def test_a_draw_from_a_bit_generator_installed_later_is_seen():
+    # NOTE [ Fingerprints through views ]: the view of NumPy's words follows the generator
+    # the training loop installs (a view of the old one would see no draw, and the sample
+    # would be the unseeded one, not the contract's)
+    expected_loader = DataLoader(DrawsLate(), batch_size=6, seed=4, seed_rngs="always")
+    expected_loader.dataset.late = True
+    expected = [list(expected_loader) for _ in range(2)][1]  # epoch 1
+    dataset = DrawsLate()
+    loader = DataLoader(dataset, batch_size=6, seed=4)
+    list(loader)  # the probe: no draw seen, batches go unseeded
+    previous = np.random.get_bit_generator()
+    np.random.set_bit_generator(np.random.MT19937(8))
+    try:
+        dataset.late = True
+        assert _same(list(loader), expected)
+    finally:
+        np.random.set_bit_generator(previous)
+
+
+def test_state_readers_patched_between_batches_are_wrapped_and_put_back(monkeypatch):
+    reads = StateReads()
+    with reads:
+        torch.get_rng_state()
+    assert reads.read == [False, False, True]
+    calls = []
+    real = torch.get_rng_state
+
+    def users_wrapper():
+        calls.append(1)
+        return real()
+
+    monkeypatch.setattr(torch, "get_rng_state", users_wrapper)  # after the first batch
+    with reads:
+        assert reads.read == [False, False, False]
+        torch.get_rng_state()
+    assert reads.read == [False, False, True] and calls == [1]
+    assert torch.get_rng_state is users_wrapper and torch.random.get_rng_state is real
 
 
 def _scramble():

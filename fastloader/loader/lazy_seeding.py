@@ -92,6 +92,7 @@ from fastloader.loader.rngs import (
     SEEDERS,
     NoStates,
     StateReads,
+    all_fingerprints,
     fingerprints_see_everything,
     seed_rngs,
     states_from_fingerprints,
@@ -137,10 +138,17 @@ class SeedingMemory:
         self.shared[_PROBED] += samples
         self.shared[_PROBE_NS] += int(seconds * 1e9)
 
-    def slow(self) -> bool:
-        """Whether probed samples took ``EAGER_ABOVE_S`` or more on average."""
-        probed = self.shared[_PROBED]
-        return probed > 0 and self.shared[_PROBE_NS] >= probed * EAGER_ABOVE_S * 1e9
+    def unused_rngs(self, probe_samples: int) -> list[int] | None:
+        """The RNGs no sample has used; None until ``probe_samples`` were probed; none if the
+        probed samples took ``EAGER_ABOVE_S`` or more on average. (One read of the shared
+        counters: it runs every batch.)"""
+        values = self.shared[:]
+        probed, probe_ns, used = values[_PROBED], values[_PROBE_NS], values[_USED:]
+        if probed < probe_samples:
+            return None
+        if probed > 0 and probe_ns >= probed * EAGER_ABOVE_S * 1e9:  # slow samples
+            return []
+        return [rng for rng, flag in enumerate(used) if not flag]
 
 
 def _attached(shared: Any) -> SeedingMemory:
@@ -207,12 +215,7 @@ class EachSampleSeeding:
         """The RNGs left unseeded between a batch's samples; None while the probe runs."""
         if self.always:
             return []
-        memory = self.memory
-        if memory.probed() < self.probe_samples:
-            return None
-        if memory.slow():
-            return []
-        return [rng for rng in range(len(SEEDERS)) if not memory.uses(rng)]
+        return self.memory.unused_rngs(self.probe_samples)
 
     def load(self, getitem: Any, indices: list, epoch: int) -> list:
         """``[getitem(i) for i in indices]``, seeded as NOTE [ Lazy seeding ] says."""
@@ -285,7 +288,7 @@ class EachSampleSeeding:
     def _unseeded(self, getitem: Any, indices: list, epoch: int) -> list:
         # NOTE [ Lazy seeding ], unseeded batches: nothing is seeded; if no RNG moved and none
         # was read, no sample could tell, and the batch is the contract's.
-        before = [fingerprint() for fingerprint in FINGERPRINTS]
+        before = all_fingerprints()
         samples: list = []
         reads = self._reads.__enter__()
         try:
@@ -301,7 +304,7 @@ class EachSampleSeeding:
             self.training.save_once(states_from_fingerprints(before))  # maybe drawn from
             raise
         reads.__exit__()
-        if not any(reads.read) and [fingerprint() for fingerprint in FINGERPRINTS] == before:
+        if not any(reads.read) and all_fingerprints() == before:
             return samples  # the common case, without _found_use's bookkeeping
         if self._found_use(_EVERY_RNG, before, reads.read, indices):
             return self._again(getitem, indices, epoch, before)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import _random
 import ctypes
+import operator
 import random
 import struct
 import sys
@@ -79,6 +80,22 @@ def _numpy_bit_generator() -> Any:
     return np.random.mtrand._rand._bit_generator
 
 
+# NOTE [ Fingerprints through views ]
+#
+# The fingerprints are taken twice a batch, so their cost is per batch, not per sample: with
+# cheap samples in the main process (token windows, issue 30) a few microseconds are a few
+# percent of the loader. Python's Mersenne Twister and NumPy's cached Gaussian sit at fixed
+# addresses of objects that live as long as the process (``random._inst``,
+# ``numpy.random.mtrand._rand``), NumPy's Mersenne Twister words in its bit generator's struct
+# (fixed for that generator's life; the view is made again when the generator is replaced, and
+# holds it). Each is read with ``bytes(view)`` over a memoryview made once: one C copy, where
+# ``ctypes.string_at`` is a Python function around a foreign call. torch's state is
+# ``get_state()``'s bytes, read through ``data_ptr()`` rather than a NumPy array made for it.
+def _view(address: int, size: int) -> memoryview:
+    """``size`` bytes at ``address`` as a memoryview (the caller keeps their owner alive)."""
+    return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
+
+
 # NOTE [ Python's random state without getstate ]
 #
 # ``random.getstate()`` builds a tuple of 625 ints: 8-14 us, paid several times a batch by
@@ -92,8 +109,8 @@ _PY_MT_OFFSET = object.__basicsize__  # the object header; the struct follows it
 
 
 def _python_raw() -> bytes:
-    # see NOTE [ Python's random state without getstate ]
-    return ctypes.string_at(id(_python_rng) + _PY_MT_OFFSET, _PY_MT_BYTES)
+    # see NOTE [ Python's random state without getstate ], NOTE [ Fingerprints through views ]
+    return bytes(_PY_MT_VIEW)
 
 
 def _python_layout_matches() -> bool:
@@ -115,6 +132,7 @@ def _python_layout_matches() -> bool:
 _PYTHON_RAW = (
     _random.Random.__basicsize__ >= _PY_MT_OFFSET + _PY_MT_BYTES and _python_layout_matches()
 )
+_PY_MT_VIEW = _view(id(_python_rng) + _PY_MT_OFFSET, _PY_MT_BYTES) if _PYTHON_RAW else None
 
 
 def _python_fingerprint() -> Any:
@@ -186,16 +204,27 @@ def _find_numpy_aug() -> int | None:
 
 _NUMPY_AUG = _find_numpy_aug()
 _numpy_legacy = np.random.mtrand._rand
+_NUMPY_AUG_VIEW = None if _NUMPY_AUG is None else _view(id(_numpy_legacy) + _NUMPY_AUG, _AUG_BYTES)
+#: (the bit generator, a view of its Mersenne Twister words): NOTE [ Fingerprints through views ]
+_numpy_words_view: tuple[Any, memoryview | None] = (None, None)
+
+
+def _numpy_words(generator: Any) -> bytes:
+    global _numpy_words_view
+    known, view = _numpy_words_view
+    if generator is not known or view is None:
+        view = _view(generator.ctypes.state_address, _MT19937_STATE_BYTES)
+        _numpy_words_view = (generator, view)
+    return bytes(view)
 
 
 def _numpy_raw() -> tuple | None:
     """The legacy global RNG's whole state as raw bytes (Mersenne Twister words and the
     cached Gaussian), with its bit generator; None where that cannot be read so."""
     generator = _numpy_bit_generator()
-    if _NUMPY_AUG is None or type(generator) is not np.random.MT19937:
+    if _NUMPY_AUG_VIEW is None or type(generator) is not np.random.MT19937:
         return None
-    words = ctypes.string_at(generator.ctypes.state_address, _MT19937_STATE_BYTES)
-    return generator, words, ctypes.string_at(id(_numpy_legacy) + _NUMPY_AUG, _AUG_BYTES)
+    return generator, _numpy_words(generator), bytes(_NUMPY_AUG_VIEW)
 
 
 def fingerprints_see_everything() -> bool:
@@ -220,7 +249,8 @@ def _numpy_fingerprint() -> Any:
 
 
 def _torch_fingerprint() -> Any:
-    return _torch_rng.get_state().numpy().tobytes()
+    state = _torch_rng.get_state()  # a new uint8 tensor: NOTE [ Fingerprints through views ]
+    return ctypes.string_at(state.data_ptr(), state.numel())
 
 
 #: One per RNG, in ``SEEDERS`` order: a value that differs after any draw from that RNG.
@@ -229,6 +259,11 @@ FINGERPRINTS: tuple[Callable[[], Any], ...] = (
     _numpy_fingerprint,
     _torch_fingerprint,
 )
+
+
+def all_fingerprints() -> list:
+    """``[fingerprint() for fingerprint in FINGERPRINTS]``: every RNG's, in one call."""
+    return [_python_fingerprint(), _numpy_fingerprint(), _torch_fingerprint()]
 
 
 #: Functions that read an RNG's state without drawing from it, by (module, name, RNG index in
@@ -249,20 +284,48 @@ _STATE_READERS = (
 )
 
 
+_NONE_READ = [False] * len(SEEDERS)
+
+
+class _ModuleReaders:
+    """One module's functions of ``_STATE_READERS``: the originals and their wrappers."""
+
+    __slots__ = ("namespace", "entries", "get", "current", "originals", "wrappers")
+
+    def __init__(self, module: Any, entries: list[tuple[str, int]]) -> None:
+        self.namespace = vars(module)
+        self.entries = entries  # (name, RNG index)
+        self.get = operator.itemgetter(*(name for name, _ in entries))
+        self.current: Any = None  # what ``get`` gave when the wrappers were made
+        self.originals: dict[str, Callable] = {}
+        self.wrappers: dict[str, Callable] = {}
+
+
 class StateReads:
     """While entered, records which RNGs had their state read through ``_STATE_READERS``.
 
-    A fingerprint sees draws, not reads: NOTE [ Lazy seeding ] in loader/lazy_seeding.py. The module
-    functions are swapped for recording wrappers only while a batch loads, and put back after.
+    A fingerprint sees draws, not reads: NOTE [ Lazy seeding ] in loader/lazy_seeding.py. The
+    module functions are swapped for recording wrappers only while a batch loads, and put back
+    after: one ``dict.update`` of each module's namespace each way.
     """
 
     def __init__(self) -> None:
         self.read = [False] * len(SEEDERS)
-        self._originals = [getattr(module, name) for module, name, _ in _STATE_READERS]
-        self._wrappers = [
-            self._recording(original, rng)
-            for original, (_, _, rng) in zip(self._originals, _STATE_READERS, strict=True)
-        ]
+        entries: dict[int, tuple[Any, list[tuple[str, int]]]] = {}
+        for module, name, rng in _STATE_READERS:
+            entries.setdefault(id(module), (module, []))[1].append((name, rng))
+        self._modules = [_ModuleReaders(module, names) for module, names in entries.values()]
+        for module in self._modules:
+            self._wrap_current(module)
+
+    def _wrap_current(self, module: _ModuleReaders) -> None:
+        """Wrap the module's functions as they are now (patched by someone since: theirs)."""
+        module.current = current = module.get(module.namespace)
+        functions = current if len(module.entries) > 1 else (current,)  # itemgetter of one
+        module.originals = {name: f for (name, _), f in zip(module.entries, functions, strict=True)}
+        module.wrappers = {
+            name: self._recording(module.originals[name], rng) for name, rng in module.entries
+        }
 
     def _recording(self, original: Callable, rng: int) -> Callable:
         read = self.read
@@ -275,20 +338,16 @@ class StateReads:
         return reader
 
     def __enter__(self) -> StateReads:
-        read, originals, wrappers = self.read, self._originals, self._wrappers
-        for index in range(len(read)):
-            read[index] = False
-        for index, (module, name, rng) in enumerate(_STATE_READERS):
-            current = getattr(module, name)
-            if current is not originals[index]:  # patched by someone since: wrap theirs
-                originals[index] = current
-                wrappers[index] = self._recording(current, rng)
-            setattr(module, name, wrappers[index])
+        self.read[:] = _NONE_READ
+        for module in self._modules:
+            if module.get(module.namespace) != module.current:  # replaced since we wrapped
+                self._wrap_current(module)
+            module.namespace.update(module.wrappers)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        for (module, name, _), original in zip(_STATE_READERS, self._originals, strict=True):
-            setattr(module, name, original)
+        for module in self._modules:
+            module.namespace.update(module.originals)
 
 
 class StateKeeper:

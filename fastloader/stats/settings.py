@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Any
 
 from fastloader.datasets.collate import DEFAULT_COLLATES
@@ -56,9 +57,27 @@ def loader_settings(loader: Any) -> LoaderSettings:
         device_transform=getattr(loader, "device_transform", None) is not None,
         cpus=len(usable) if usable is not None else os.cpu_count(),
         data_bytes=dataset_bytes(getattr(loader, "dataset", None)),
-        memory_bytes=memory_for_cache(),
+        memory_bytes=_recent_memory_for_cache(),
         default_collate=getattr(loader, "collate_fn", None) in DEFAULT_COLLATES,
     )
+
+
+#: (when it was read, the bytes): the memory the page cache may use, read at most once a second
+_memory_read: tuple[float, int | None] = (float("-inf"), None)
+MEMORY_READ_EVERY_S = 1.0
+
+
+def _recent_memory_for_cache() -> int | None:
+    # memory_for_cache reads /proc and every level of the memory cgroups: 130 us, a third of
+    # an epoch's start for cheap data in the main process (issue 30); epochs shorter than a
+    # second share one reading, which advice about a pack bigger than memory does not miss
+    global _memory_read
+    read_at, memory = _memory_read
+    now = time.monotonic()
+    if now - read_at >= MEMORY_READ_EVERY_S:
+        memory = memory_for_cache()
+        _memory_read = (now, memory)
+    return memory
 
 
 def dataset_bytes(dataset: Any, depth: int = 0) -> int | None:

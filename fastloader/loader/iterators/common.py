@@ -5,7 +5,7 @@ Runs in the main process. See NOTE [ torch internals fastloader relies on ] in _
 
 from __future__ import annotations
 
-import multiprocessing
+import ctypes
 import time
 import weakref
 from typing import Any
@@ -227,7 +227,8 @@ class SingleProcessIter(SeededDatasetMixin, LoaderIterMixin, _SingleProcessDataL
         self._seed = loader.seed
         self._seeding = seeding_options(loader)
         self._cursor = loader._cursor
-        self._shared_epoch = multiprocessing.RawValue("q", epoch)
+        # no other process reads it: a plain C integer, not shared memory (20 us an epoch)
+        self._shared_epoch = ctypes.c_longlong(epoch)
         self._schedule = None
         if loader._dataset_kind == _DatasetKind.Map:
             self._schedule = schedule_for(loader, may_cross=False)
