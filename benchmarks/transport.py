@@ -8,8 +8,8 @@ with torch's transport (``WorkerPoolIter.slots = False``, ``pipes.ENABLED = Fals
 batches, a shared-memory segment per tensor, queue feeder threads) and with ``prefetch_factor=2``
 (torch's fixed depth, against the depth from the first batch's bytes: NOTE [ Prefetch depth
 by batch bytes ]). The loaders take turns
-epoch by epoch (interleaved rounds, after a warm-up epoch that starts the workers); each ratio
-is the median
+epoch by epoch (interleaved rounds, after a warm-up epoch that starts the workers; without
+workers five times as many rounds, ``IN_PROCESS_ROUNDS``); each ratio is the median
 of the per-round ratios of samples/s. Also per loader: the main process's CPU time per batch
 (``time.process_time``, all its threads) — what a GPU step loses to loading.
 
@@ -55,6 +55,9 @@ SIZES = {
 #: (the quick size is the demo's table: 0 and 2 workers only)
 WORKER_COUNTS = {"tiny": (0, 1, 2), "quick": (0, 2), "full": (0, 1, 2)}
 WITH_PICKLED = {"tiny": True, "quick": False, "full": True}
+#: rounds without workers, per round with: their epochs take 30-70 ms, and a busy moment of the
+#: box moved a 7-round median by 5 % (tokens, 0 workers: 0.88x-0.97x torch in three runs)
+IN_PROCESS_ROUNDS = 5
 TORCH, OURS, PICKLED, PLAIN = "torch", "fastloader", "fastloader_pickled", "plain_loop"
 #: fastloader with torch's fixed prefetch_factor=2 (NOTE [ Prefetch depth by batch bytes ])
 DEPTH2 = "fastloader_prefetch2"
@@ -144,9 +147,9 @@ def _close(loaders: dict[str, Any]) -> None:
 
 def _compare(kind: str, dataset: Dataset, batch: int, size: str, plain: bool = False) -> list:
     rows = []
-    rounds = SIZES[size][0]
     for workers in WORKER_COUNTS[size]:
         note(f"{kind}, {workers} workers")
+        rounds = SIZES[size][0] * (1 if workers else IN_PROCESS_ROUNDS)
         loaders = _loaders(dataset, batch, workers, plain, WITH_PICKLED[size])
         try:
             results = _interleaved(loaders, rounds)
@@ -167,13 +170,15 @@ def _compare(kind: str, dataset: Dataset, batch: int, size: str, plain: bool = F
 
 
 def _in_process_ratios(kind: str, rows: list) -> dict[str, float]:
-    """fastloader with workers vs fastloader in the main process (the same run)."""
+    """fastloader with workers vs fastloader in the main process (the same run): the ratio of
+    their median epochs (they run one after the other, so there are no rounds to pair)."""
     in_process = next(seconds for row, seconds in rows if row["num_workers"] == 0)[OURS]
     ratios = {}
     for row, seconds in rows:
         if row["num_workers"]:
             key = f"{kind}_{row['num_workers']}w_vs_fastloader_0w"
-            ratios[key] = round(paired_ratio(in_process, seconds[OURS]), 3)
+            ratio = statistics.median(in_process) / statistics.median(seconds[OURS])
+            ratios[key] = round(ratio, 3)
     return ratios
 
 
@@ -210,7 +215,10 @@ def run(size: str, workdir: Path) -> dict:
         "ratios": ratios,
         "notes": [
             "vs_*: fastloader's samples/s over the named loader's, median of per-round ratios "
-            f"({rounds} interleaved rounds after a warm-up epoch)",
+            f"({rounds} interleaved rounds after a warm-up epoch; {rounds * IN_PROCESS_ROUNDS} "
+            "without workers)",
+            "*_vs_fastloader_0w: fastloader with workers over fastloader in the main process, "
+            "ratio of median epochs (run one after the other)",
             "torch: persistent_workers=True with workers; fastloader_pickled (sizes tiny, full): "
             "fastloader with torch's transport (WorkerPoolIter.slots = False, pipes.ENABLED "
             "= False: pickled batches, queue feeder threads)",

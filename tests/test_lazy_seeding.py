@@ -345,3 +345,22 @@ def test_a_draw_from_the_training_loops_cached_gaussian_is_caught(mode):
     assert np.random.normal() == expected_next  # the training loop's cached Gaussian
     np.random.seed(sample_seed(4, 1, 5) & 0xFFFFFFFF)
     assert batches[0][5, 1].item() == np.random.normal()
+
+
+def test_state_readers_entered_from_two_threads_leave_the_originals_installed():
+    # two loaders loading in the main process from two threads: each StateReads sees the
+    # other's wrappers installed; whichever exits last, the module's own functions remain
+    originals = (torch.get_rng_state, np.random.get_state, random.getstate)
+    first, second = StateReads(), StateReads()
+    for outer, inner in ((first, second), (second, first)):
+        outer.__enter__()
+        inner.__enter__()
+        torch.get_rng_state()
+        assert inner.read[2]  # the read is recorded by the reads entered last
+        outer.__exit__(None, None, None)
+        inner.__exit__(None, None, None)
+        assert (torch.get_rng_state, np.random.get_state, random.getstate) == originals
+    with first:
+        np.random.get_state()
+    assert first.read == [False, True, False]
+    assert (torch.get_rng_state, np.random.get_state, random.getstate) == originals

@@ -301,6 +301,13 @@ class _ModuleReaders:
         self.wrappers: dict[str, Callable] = {}
 
 
+def _unwrapped(function: Callable) -> Callable:
+    """``function`` without the recording wrappers of any ``StateReads`` around it."""
+    while getattr(function, "records_reads", False):
+        function = function.__wrapped__
+    return function
+
+
 class StateReads:
     """While entered, records which RNGs had their state read through ``_STATE_READERS``.
 
@@ -320,8 +327,12 @@ class StateReads:
 
     def _wrap_current(self, module: _ModuleReaders) -> None:
         """Wrap the module's functions as they are now (patched by someone since: theirs)."""
-        module.current = current = module.get(module.namespace)
+        current = module.get(module.namespace)
         functions = current if len(module.entries) > 1 else (current,)  # itemgetter of one
+        # another StateReads's wrappers (a loader loading in another thread): theirs are not
+        # originals, or the one that exits last would leave them installed for good
+        functions = tuple(map(_unwrapped, functions))
+        module.current = functions if len(module.entries) > 1 else functions[0]
         module.originals = {name: f for (name, _), f in zip(module.entries, functions, strict=True)}
         module.wrappers = {
             name: self._recording(module.originals[name], rng) for name, rng in module.entries
@@ -335,6 +346,7 @@ class StateReads:
             return original(*args, **kwargs)
 
         reader.__wrapped__ = original  # type: ignore[attr-defined]
+        reader.records_reads = True  # type: ignore[attr-defined]
         return reader
 
     def __enter__(self) -> StateReads:
