@@ -302,15 +302,18 @@ def transport_summary(result: dict) -> str:
         for row in rows
     ]
     ratios = result.get("ratios", {})
-    rounds = result.get("config", {}).get("rounds", "?")
+    config = result.get("config", {})
+    rounds = config.get("rounds", "?")
+    in_process = config.get("rounds_in_process", rounds)
     lines = [
         "Batches from workers to the main process (fastloader vs torch's DataLoader, "
         "persistent workers; 0 workers: in the main process):",
         "",
         _aligned(header, table),
         "",
-        f"ratios: medians of {rounds} interleaved rounds' ratios (higher is better); main CPU: "
-        "the main process's CPU time per batch, what a GPU step loses to loading",
+        f"ratios: medians of {rounds} interleaved rounds' ratios ({in_process} without workers; "
+        "higher is better); main CPU: the main process's CPU time per batch, what a GPU step "
+        "loses to loading",
     ]
     in_process = ratios.get("pose64_2w_vs_fastloader_0w")
     plain = ratios.get("pose64_0w_vs_plain_loop")

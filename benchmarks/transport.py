@@ -207,6 +207,7 @@ def run(size: str, workdir: Path) -> dict:
         "comparison": "transport",
         "config": {
             "rounds": rounds,
+            "rounds_in_process": rounds * IN_PROCESS_ROUNDS,
             "shuffle": True,
             "sizes": SIZES[size],
             "num_workers": WORKER_COUNTS[size],

@@ -61,9 +61,9 @@ from fastloader.formats.advice import fits_in_memory
 INPUT_BOUND_THRESHOLD = 0.10
 #: Workers busier than this share of their time cannot load faster: add workers.
 BUSY_WORKERS = 0.80
-#: What handing a batch over from a worker costs, about: 0.08-0.10 ms of the training
-#: process's CPU to receive it and about 0.1 ms of the worker's beyond the loading (the
-#: 2-core box: benchmarks/results/transport-buffered-full.md): a batch that loads in the
+#: What handing a batch over from a worker costs, about: 0.06-0.10 ms of the training
+#: process's CPU to receive it and about 0.06 ms of the worker's beyond the loading (the
+#: 2-core box: benchmarks/results/transport-0w-full.md): a batch that loads in the
 #: training process (collate and loop included) faster than this is cheaper there.
 HANDOVER_S = 0.15e-3
 #: Workers that spend less than this in the dataset per batch: cheaper in the training
