@@ -1,6 +1,7 @@
 """NOTE [ Lazy seeding ]: seed_rngs="auto" gives the samples of seeding every RNG every time."""
 
 import random
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -364,3 +365,56 @@ def test_state_readers_entered_from_two_threads_leave_the_originals_installed():
         np.random.get_state()
     assert first.read == [False, True, False]
     assert (torch.get_rng_state, np.random.get_state, random.getstate) == originals
+
+
+class LoadsAnotherLoader(Dataset):
+    """Iterates a loader of its own inside ``__getitem__`` (index 1 of each 4), then reads
+    NumPy's state without drawing (index 2): the outer batch must still see that read."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i):
+        if i % 4 == 1:
+            list(DataLoader(list(range(4)), batch_size=2, seed=1))
+        value = float(np.random.get_state()[1][0]) if i % 4 == 2 else 0.0
+        return torch.tensor([float(i), value], dtype=torch.float64)
+
+
+@pytest.mark.filterwarnings("ignore:.*numpy.random")
+def test_a_loader_iterated_inside_a_sample_leaves_the_outer_reads_recorded():
+    # NOTE [ One set of state-read wrappers ]: the inner loader's batch ends first; the outer
+    # batch's later read is still seen, and the batch is the contract's
+    expected = _epochs(LoadsAnotherLoader(), "always", epochs=3)
+    assert _same(_epochs(LoadsAnotherLoader(), "auto", epochs=3), expected)
+    outer, inner = StateReads(), StateReads()
+    with outer:
+        with inner:
+            pass
+        torch.initial_seed()
+    assert outer.read == [False, False, True]
+
+
+def test_a_mocked_state_reader_is_wrapped_like_any_function():
+    with mock.patch("torch.initial_seed", return_value=0) as mocked:
+        batches = list(DataLoader(list(range(4)), batch_size=2, seed=0))
+        assert torch.initial_seed is mocked
+    assert [batch.tolist() for batch in batches] == [[0, 1], [2, 3]]
+    assert not hasattr(torch.initial_seed, "__wrapped__")
+
+
+def test_a_process_forked_while_a_batch_loads_starts_without_the_wrappers():
+    import os
+
+    reads = StateReads()
+    with reads:
+        pid = os.fork()
+        if pid == 0:  # the child: a worker started from a thread that was loading a batch
+            clean = not hasattr(torch.get_rng_state, "__wrapped__")
+            with StateReads():
+                pass
+            os._exit(0 if clean and not hasattr(torch.get_rng_state, "__wrapped__") else 1)
+        _, status = os.waitpid(pid, 0)
+        assert hasattr(torch.get_rng_state, "__wrapped__")  # the parent's batch goes on
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert not hasattr(torch.get_rng_state, "__wrapped__")
