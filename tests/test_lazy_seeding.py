@@ -9,8 +9,9 @@ import torch
 from torch.utils.data import Dataset
 
 from fastloader import DataLoader
-from fastloader.loader.rngs import FINGERPRINTS, StateKeeper, StateReads, all_fingerprints
+from fastloader.loader.rngs import FINGERPRINTS, StateKeeper, all_fingerprints
 from fastloader.loader.seeding import resolve_seed_rngs
+from fastloader.loader.state_reads import StateReads
 from fastloader.sampling.seeds import batch_seeds, sample_seed
 
 

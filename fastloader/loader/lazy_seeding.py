@@ -61,7 +61,7 @@ samples load, the module functions that read states (``random.getstate``,
 ``numpy.random.get_state`` and ``numpy.random.get_bit_generator``, also through
 ``numpy.random.mtrand``; ``torch.initial_seed``, ``torch.get_rng_state``, also through
 ``torch.random``; ``fork_rng`` calls ``torch.get_rng_state``) are swapped for wrappers that
-record the read (``rngs.StateReads``), and a read counts as a draw. What still escapes: a
+record the read (``state_reads.StateReads``), and a read counts as a draw. What still escapes: a
 reference bound before loading (``from torch import initial_seed`` at import), a generator's
 own methods (``torch.default_generator.initial_seed()``, ``np.random.mtrand._rand.get_state()``)
 or a bit generator kept from before. A dataset reading an RNG only that way, in samples where
@@ -91,12 +91,12 @@ from fastloader.loader.rngs import (
     NAMES,
     SEEDERS,
     NoStates,
-    StateReads,
     all_fingerprints,
     fingerprints_see_everything,
     seed_rngs,
     states_from_fingerprints,
 )
+from fastloader.loader.state_reads import StateReads
 from fastloader.sampling.seeds import _epoch_key, _index_key, _mix64, batch_seeds
 
 #: Samples loaded with every RNG seeded before any RNG is left lazy (NOTE [ Lazy seeding ]).
