@@ -271,3 +271,14 @@ def test_random_transforms_are_seeded_per_sample_for_any_worker_count(pose):
 def test_pack_arguments_on_a_users_file_say_what_it_is(pose):
     with pytest.raises(TypeError, match="not a fastloader pack but a user's own file.*decode="):
         HDF5Dataset(pose, decode="numpy")
+
+
+@pytest.mark.parametrize("bad", [POSE_COUNT, -POSE_COUNT - 1])
+def test_a_batch_with_an_index_out_of_range_is_refused_naming_it(pose, bad):
+    dataset = HDF5Dataset(pose)
+    with pytest.raises(IndexError, match=f"index {bad} out of range"):
+        dataset.__getitems__([0, -1, bad])
+    assert [sample["imagename"] for sample in dataset.__getitems__([-POSE_COUNT, -1])] == [
+        dataset[0]["imagename"],
+        dataset[POSE_COUNT - 1]["imagename"],
+    ]

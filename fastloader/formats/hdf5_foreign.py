@@ -69,6 +69,9 @@ __all__ = ["HDF5File"]
 
 _MAX_INFLATION = 1032  # deflate's largest ratio: a row larger than that is not in the file
 
+#: the element types of a batch of plain Python ints (bool, a subclass, is not one)
+_INTS_ONLY = {int}
+
 
 class _Field(NamedTuple):
     name: str  # its path in the file, the key of the sample dict
@@ -428,10 +431,13 @@ class HDF5File(ForkSafeFile):
 
     def _rows(self, indices: Sequence[int]) -> np.ndarray:
         count = self._count
-        if type(indices) is list and indices and all(type(index) is int for index in indices):
+        if type(indices) is list and indices and set(map(type, indices)) == _INTS_ONLY:
             rows = np.array(indices, dtype=np.int64)  # the loader's batches: one conversion
-            rows[rows < 0] += count
-            if rows.min() >= 0 and rows.max() < count:
+            low = rows.min()
+            if low < 0:  # negative indices count from the end, as for a list
+                rows[rows < 0] += count
+                low = rows.min()
+            if low >= 0 and rows.max() < count:
                 return rows
         rows = [sample_row(index, count, self.path) for index in indices]
         return np.asarray(rows, dtype=np.int64)
