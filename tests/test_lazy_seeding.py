@@ -181,16 +181,18 @@ def test_every_kind_of_draw_moves_a_fingerprint(draw):
 
 
 class DrawsLate(Dataset):
-    """Draws from NumPy's global RNG at index 5, only once ``late`` is set (after the probe)."""
+    """Draws from NumPy's global RNG (``draw``) at index 5, only once ``late`` is set (after
+    the probe)."""
 
-    def __init__(self) -> None:
+    def __init__(self, draw=np.random.rand) -> None:
+        self.draw = draw
         self.late = False
 
     def __len__(self) -> int:
         return 12
 
     def __getitem__(self, i):
-        draw = float(np.random.rand()) if self.late and i == 5 else 0.0
+        draw = float(self.draw()) if self.late and i == 5 else 0.0
         return torch.tensor([float(i), draw], dtype=torch.float64)
 
 
@@ -311,26 +313,12 @@ def test_numpy_cached_gaussian_is_read_in_place():
     assert FINGERPRINTS[1]() != before
 
 
-class GaussianLate(Dataset):
-    """Draws one Gaussian from NumPy at index 5, only once ``late`` is set (after the probe)."""
-
-    def __init__(self) -> None:
-        self.late = False
-
-    def __len__(self) -> int:
-        return 12
-
-    def __getitem__(self, i):
-        draw = float(np.random.normal()) if self.late and i == 5 else 0.0
-        return torch.tensor([float(i), draw], dtype=torch.float64)
-
-
 @pytest.mark.parametrize("mode", ["auto", "always"])
 def test_a_draw_from_the_training_loops_cached_gaussian_is_caught(mode):
     # The training loop leaves a Gaussian cached; an unseeded batch (NOTE [ Lazy seeding ])
     # that draws one would take it without moving the Mersenne Twister. It is caught: the
     # sample is the contract's, and the training loop still gets its own cached Gaussian.
-    dataset = GaussianLate()
+    dataset = DrawsLate(np.random.normal)  # one Gaussian
     loader = DataLoader(dataset, batch_size=6, seed=4, seed_rngs=mode)
     list(loader)  # the probe: no draw seen
     dataset.late = True

@@ -211,7 +211,7 @@ _numpy_words_view: tuple[Any, memoryview | None] = (None, None)
 def _numpy_words(generator: Any) -> bytes:
     global _numpy_words_view
     known, view = _numpy_words_view
-    if generator is not known or view is None:
+    if generator is not known:  # the first call, or a generator installed since
         view = _view(generator.ctypes.state_address, _MT19937_STATE_BYTES)
         _numpy_words_view = (generator, view)
     return bytes(view)
