@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,34 @@ README = ROOT / "README.md"
 MARKER = re.compile(r"<!-- example: (?P<path>\S+) -->\s*\n```python\n(?P<code>.*?)```", re.S)
 
 
+# NOTE [ gloo's abort at exit ]
+#
+# With DistributedDataParallel, torch 2.13 keeps the gloo process group and its threads
+# (gloo_tcp_loop, pt_gloo_runloop) alive after destroy_process_group, even once the model is
+# deleted and collected (checked in one process: without DDP the threads end at destroy; with
+# it they run into interpreter exit). Twice in about 35 CI runs one rank of an example then
+# aborted inside C++ at exit ("terminate called without an active exception"), after its last
+# line of output and its last file, past the barrier every example puts before
+# destroy_process_group; 130 runs of the same command here never did. The tests check what
+# the examples print and write, all of it done before that barrier, and still assert every
+# line of it: a run whose only failure is that abort (no Python traceback from the example,
+# every failed rank SIGABRT or the SIGTERM torchrun then sends the others) is accepted with a
+# warning. Any other failure, or a missing line or record, still fails the test.
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _only_gloo_exit_abort(stderr: str) -> bool:
+    """Whether torchrun failed only because a rank aborted at exit (NOTE [ gloo's abort at
+    exit ])."""
+    exitcodes = re.findall(r"exitcode\s*:\s*(-?\d+)", stderr)
+    return (
+        GLOO_EXIT_ABORT in stderr
+        and f'File "{EXAMPLES}' not in stderr  # no Python exception in an example
+        and "-6" in exitcodes
+        and set(exitcodes) <= {"-6", "-15"}
+    )
+
+
 def _run(args: list[str], tmp_path: Path, timeout: float = 180) -> str:
     """Run ``args`` in ``tmp_path`` (its own tiny data there); return stdout, or fail with both
     streams."""
@@ -25,12 +54,39 @@ def _run(args: list[str], tmp_path: Path, timeout: float = 180) -> str:
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         "TMPDIR": str(tmp_path),  # the examples' generated data goes under it
+        "PYTHONFAULTHANDLER": "1",  # a crash prints every thread's Python stack
     }
     done = subprocess.run(
         args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
     )
+    torchrun = "torch.distributed.run" in args
+    if done.returncode != 0 and torchrun and _only_gloo_exit_abort(done.stderr):
+        warnings.warn(
+            f"a rank aborted at exit in gloo (NOTE [ gloo's abort at exit ]):\n{done.stderr}",
+            stacklevel=2,
+        )
+        return done.stdout
     assert done.returncode == 0, f"{args} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
     return done.stdout
+
+
+def _torchrun_failure(*ranks: tuple[int, int]) -> str:
+    """torchrun's failure summary for ``(rank, exitcode)`` pairs, as CI printed it."""
+    return "\n".join(
+        f"  [{i}]:\n    rank      : {rank} (local_rank: {rank})\n    exitcode  : {code}"
+        for i, (rank, code) in enumerate(ranks)
+    )
+
+
+def test_only_gloo_exit_abort_is_tolerated() -> None:
+    """NOTE [ gloo's abort at exit ]: only that abort passes; any other failure fails."""
+    abort = f"{GLOO_EXIT_ABORT}\n" + _torchrun_failure((0, -15), (1, -15), (2, -6))
+    assert _only_gloo_exit_abort(abort)
+    traceback = f'Traceback (most recent call last):\n  File "{EXAMPLES}/train_mix.py", line 9\n'
+    assert not _only_gloo_exit_abort(traceback + abort)
+    assert not _only_gloo_exit_abort(f"{GLOO_EXIT_ABORT}\n" + _torchrun_failure((2, 1)))
+    assert not _only_gloo_exit_abort(f"{GLOO_EXIT_ABORT}\n" + _torchrun_failure((1, -11)))
+    assert not _only_gloo_exit_abort(_torchrun_failure((0, -15), (2, -6)))  # another abort
 
 
 def _example(name: str, *args: str) -> list[str]:
