@@ -113,7 +113,7 @@ def main() -> None:
                 if rank == 0:
                     print(f"stopped after step {step}; run again with --resume")
                 loader.close()
-                dist.barrier()  # every rank done with gloo before any tears it down
+                dist.barrier()  # every rank done with gloo before any tears it down (see README)
                 dist.destroy_process_group()
                 return
         if rank == 0:
@@ -136,7 +136,7 @@ def main() -> None:
             p == t for p, t in zip(all_predictions, train_set.targets.tolist(), strict=True)
         )
         print(f"evaluated {len(all_predictions)} samples once each: {correct} correct")
-    dist.barrier()  # every rank done with gloo before any tears it down
+    dist.barrier()  # every rank done with gloo before any tears it down (see README)
     dist.destroy_process_group()
 
 

@@ -161,7 +161,7 @@ def main() -> None:
         log.close()
     loader.close()
     if distributed:
-        dist.barrier()  # every rank done with gloo before any tears it down
+        dist.barrier()  # every rank done with gloo before any tears it down (see README)
         dist.destroy_process_group()
 
 
