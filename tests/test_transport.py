@@ -125,11 +125,14 @@ def test_shared_memory_in_use_stays_within_prefetch_depth_times_batch_bytes():
     for _ in range(2):
         for _batch in loader:
             pass
-    files = receive.slot_files(loader._iterator._slot_key)
+    pool = loader._iterator
+    files = receive.slot_files(pool._slot_key)
     batch_bytes = 4 * (1000 * 4 + 7 * 4)
-    depth = loader._iterator._prefetch_factor  # NOTE [ Prefetch depth by batch bytes ]
-    assert depth == 8  # 16 KB batches
-    bound = (depth + 3) * batch_bytes * 1.25 + 4096 * 2  # pages, growth
+    assert pool._batch_depth == 8  # 16 KB batches: NOTE [ Prefetch depth by batch bytes ]
+    # NOTE [ Batches per message ]: messages of `group` batches, `messages` in flight
+    group, messages = pool._groups.size, pool._prefetch_factor
+    assert messages == (8 if group == 1 else max(2, -(-8 // group)))
+    bound = (messages + 3) * group * batch_bytes * 1.25 + 4096 * 2  # pages, growth
     for slots in files:
         assert 0 < slots.bytes_in_use() <= bound, (slots.bytes_in_use(), bound)
     loader.close()

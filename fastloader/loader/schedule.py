@@ -115,6 +115,10 @@ class EpochSchedule:
         while self._next is not _END:
             self._advance()
 
+    def more_in(self, epoch: int) -> bool:
+        """Whether ``epoch`` is the epoch being sent and has a task left."""
+        return self.epoch == epoch and self._next is not _END
+
     def next_task(self, number: int = -1, last_epoch: int | None = None) -> Task:
         """The next task to send (as torch's task ``number``), of ``last_epoch`` at the latest.
         Raises StopIteration when nothing may be sent now."""

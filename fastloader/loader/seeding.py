@@ -48,6 +48,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from torch._utils import ExceptionWrapper
 from torch.utils.data import (
     IterableDataset,
     StackDataset,
@@ -63,6 +64,7 @@ from fastloader.loader.lazy_seeding import (
     probe_length,
 )
 from fastloader.loader.rngs import NoStates, StateKeeper, TrainingStates, seed_rngs
+from fastloader.loader.transport.groups import LoadedGroup, TaskGroup
 from fastloader.sampling.seeds import _epoch_key, _index_key, _mix64, sample_seed
 
 #: What ``DataLoader(seed_rngs=...)`` accepts; see NOTE [ Lazy seeding ].
@@ -246,7 +248,9 @@ class SeededDataset:
             if self.busy is not None:
                 self.busy[self.slot] += perf_counter() - started
 
-    def __getitems__(self, task: Task) -> list:
+    def __getitems__(self, task: Task | TaskGroup) -> list:
+        if type(task) is TaskGroup:  # NOTE [ Batches per message ]
+            return self._load_group(task)
         if self.progress is not None:
             self.progress[self.slot] = task.number
         if self.busy is None:  # the main process: nobody reads a busy time
@@ -259,6 +263,16 @@ class SeededDataset:
             return self._load_task(task)
         finally:
             self.busy[self.slot] += perf_counter() - started
+
+    def _load_group(self, group: TaskGroup) -> LoadedGroup:
+        # each batch fails alone: its error is its result (NOTE [ Batches per message ])
+        loaded = LoadedGroup()
+        for indices in group.batches:
+            try:
+                loaded.append(self.__getitems__(Task(group.epoch, indices, group.number)))
+            except Exception:
+                loaded.append(ExceptionWrapper(where=f"in DataLoader worker process {self.slot}"))
+        return loaded
 
     def _load_task(self, task: Task) -> list:
         indices = list(task.indices)

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import threading
 import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._utils import ExceptionWrapper
 from torch.utils.data import (
     _utils,
 )
@@ -25,16 +25,16 @@ from torch.utils.data.dataloader import (
     _MultiProcessingDataLoaderIter,
 )
 
-from fastloader.loader import supervision as _supervision
 from fastloader.loader.iterators.common import (
     LoaderIterMixin,
     SeededDatasetMixin,
     order_is_predictable,
     schedule_for,
 )
+from fastloader.loader.iterators.pool_healing import PoolHealing, in_main_thread
 from fastloader.loader.iterators.slot_collate import into_slots
 from fastloader.loader.iterators.worker_loop import read_tasks_directly
-from fastloader.loader.prefetch_depth import prefetch_depth
+from fastloader.loader.prefetch_depth import batch_bytes, prefetch_depth
 from fastloader.loader.result_queue import guard_reads
 from fastloader.loader.seeding import Task, seeding_options
 from fastloader.loader.supervision import (
@@ -42,21 +42,19 @@ from fastloader.loader.supervision import (
     POLL_S,
     DeathLedger,
     WorkersLostError,
-    judge_death,
-    release_orphaned_write_lock,
-    stall_report,
-    warn_death,
-    warn_never_started,
     warn_reseeded,
 )
 from fastloader.loader.transport import receive
+from fastloader.loader.transport.groups import Batches, GroupPlan
 from fastloader.loader.transport.pipes import write_directly
 from fastloader.loader.transport.send import SlotCollate
 from fastloader.loader.transport.slots import SlotFile
 from fastloader.loader.worker_guard import WorkerInit, make_stack_folder
 
 
-class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLoaderIter):
+class WorkerPoolIter(
+    SeededDatasetMixin, LoaderIterMixin, PoolHealing, _MultiProcessingDataLoaderIter
+):
     """Worker processes that serve epoch after epoch, supervised.
 
     See NOTE [ Cross-epoch prefetch ] and NOTE [ Supervised workers ] (loader/supervision.py).
@@ -108,6 +106,14 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
         # from the first batch's bytes, unless the user chose: NOTE [ Prefetch depth by batch
         # bytes ] in loader/prefetch_depth.py
         self._depth_pending = self._schedule is not None and loader._prefetch_by_bytes
+        self._batch_depth = 0  # batches in flight per worker, once known from the first batch
+        # NOTE [ Batches per message ] in loader/transport/groups.py
+        self._groups = GroupPlan(
+            self._depth_pending
+            and self._slot_key is not None
+            and loader._auto_collation
+            and not self._seeding.get("collate_may_draw", True)
+        )
         started = time.perf_counter()
         super().__init__(loader)
         self.startup_s = time.perf_counter() - started
@@ -126,7 +132,7 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
             user_fn = WorkerInit(
                 user_fn, self._parent_pid, self._stack_folder, self._reseeded, self._writing
             )
-            user_fn.forked_from_main_thread = _in_main_thread()
+            user_fn.forked_from_main_thread = in_main_thread()
             user_fn.on_start = read_tasks_directly  # NOTE [ Puts without a feeder thread ]
         self.__dict__["_fastloader_worker_init"] = user_fn
 
@@ -173,6 +179,7 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
             if dead:
                 self._heal(dead)
         continues = self._schedule is not None and self._continues_into(epoch, skip)
+        self._groups.new_epoch()
         self._epoch = epoch  # before any task is sent: they go one epoch past it at most
         if self._schedule is None:  # iterable dataset: torch's reset, with the new epoch
             self._shared_epoch.value = epoch
@@ -222,8 +229,16 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
         number = self._send_idx  # torch sends this task under this number
         # never past the next epoch: NOTE [ Cross-epoch prefetch ] continues one epoch only
         task = self._schedule.next_task(number, last_epoch=self._epoch + 1)
+        if self._groups.size > 1:  # NOTE [ Batches per message ]
+            task = self._groups.grow(task, self._schedule, number)
         self._sent_tasks[number] = task
         return task
+
+    def _try_put_index(self) -> None:
+        # the depth in messages shrinks when batches start to travel in groups: torch asserts
+        # that no task is put beyond it
+        if self._tasks_outstanding < self._prefetch_factor * self._num_workers:
+            super()._try_put_index()
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         if first_iter and self._supervised and self._worker_pids_set:
@@ -238,6 +253,7 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
         self._sent_tasks.clear()
         self._settled.clear()
         self._ledger.reset()
+        self._groups.new_epoch()
         self._resetting = True
         try:
             super()._reset(loader, first_iter)
@@ -245,6 +261,8 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
             self._resetting = False
 
     def _next_data(self) -> Any:
+        if self._groups.pending:  # the rest of a group already received
+            return self._hand_out()
         if self._schedule is not None:
             broken = self._broken is not None
             if broken and self._schedule.epoch == self._epoch:
@@ -267,16 +285,30 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
             raise
 
     def _process_data(self, data: Any, worker_idx: int) -> Any:
-        # Counted before torch re-raises a failed batch: it counts toward the epoch's end.
-        self._delivered += 1
         if self._reseeded is not None and self._reseeded.value:
             self._warn_reseeded()
+        if type(data) is Batches:  # NOTE [ Batches per message ]
+            super()._process_data(data, worker_idx)  # torch sends the next task
+            self._groups.pending.extend(data)
+            return self._hand_out()
+        # Counted before torch re-raises a failed batch: it counts toward the epoch's end.
+        self._delivered += 1
         batch = super()._process_data(data, worker_idx)
         if self._depth_pending:  # NOTE [ Prefetch depth by batch bytes ]
             self._depth_pending = False
-            self._prefetch_factor = prefetch_depth(batch)
+            self._prefetch_factor = self._batch_depth = prefetch_depth(batch)
+            self._groups.batch_bytes = batch_bytes(batch)
             self._fill()
+        elif self._groups.deciding and self._groups.count(self._num_workers):
+            self._prefetch_factor = max(2, -(-self._batch_depth // self._groups.size))
         return batch
+
+    def _hand_out(self) -> Any:
+        item = self._groups.pending.popleft()
+        self._delivered += 1  # (a batch that failed counts too, as above)
+        if isinstance(item, ExceptionWrapper):
+            item.reraise()
+        return item
 
     def _warn_reseeded(self) -> None:
         self._reseeded = None
@@ -363,131 +395,3 @@ class WorkerPoolIter(SeededDatasetMixin, LoaderIterMixin, _MultiProcessingDataLo
     def shutdown(self) -> None:
         """Stop the worker processes now."""
         self._shutdown_workers()
-
-    # -- supervision: see NOTE [ Supervised workers ] ---------------------------------------
-
-    def _dead_slots(self) -> list[int]:
-        return [slot for slot, worker in enumerate(self._workers) if not worker.is_alive()]
-
-    def _wait_for_a_death(self, seconds: float) -> list[int]:
-        # The sender of a result that cannot be rebuilt is exiting; wait until it is gone.
-        deadline = time.monotonic() + seconds
-        while not (dead := self._dead_slots()) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return dead
-
-    def _check_starts(self) -> None:
-        # NOTE [ Worker start-up ] (loader/supervision.py)
-        now = time.monotonic()
-        for slot, since in list(self._starting.items()):
-            if self._progress[slot] != NOT_STARTED:
-                del self._starting[slot]
-            elif now - since >= _supervision.STARTUP_TIMEOUT_S:
-                del self._starting[slot]
-                worker = self._workers[slot]
-                if not self._forks:
-                    warn_never_started(slot, worker.pid, replaced=False)
-                    continue
-                if self._progress[slot] != NOT_STARTED:  # it started just now after all
-                    continue
-                worker.kill()
-                worker.join(timeout=5.0)
-                self._heal([slot], never_started=True)
-
-    def _heal(self, slots: list[int], never_started: bool = False) -> None:
-        # Mechanics only; what a death means is _supervision.judge_death's to say.
-        for slot in slots:
-            old = self._workers[slot]
-            old.join(timeout=0)
-            unfinished = sorted(
-                number
-                for number, info in self._task_info.items()
-                if len(info) == 1 and info[0] == slot
-            )
-            verdict = judge_death(
-                self._ledger,
-                slot,
-                old.pid,
-                old.exitcode,
-                self._progress[slot],
-                unfinished,
-                self._sent_tasks,
-            )
-            if verdict.poisoned is not None:
-                number, result = verdict.poisoned
-                self._sent_tasks.pop(number, None)
-                # handed on by _get_data as the task's result, so torch's loop goes on even
-                # when no other result will come (the following tasks are poison too)
-                self._settled.append((number, result))
-            if verdict.broken is not None:
-                self._broken = verdict.broken
-                raise WorkersLostError(self._broken)
-            if not never_started:  # one that never ran cannot hold the lock: a live one does
-                self._reads.drop_torn()
-                release_orphaned_write_lock(self._worker_result_queue)
-            try:
-                self._start_worker(slot)
-            except Exception as error:
-                self._broken = f"fastloader: cannot start a replacement DataLoader worker: {error}"
-                raise WorkersLostError(self._broken) from error
-            queue = self._index_queues[slot]
-            if self._resetting:
-                queue.put(_utils.worker._ResumeIteration(self._shared_seed))
-            for number in verdict.resend:
-                queue.put((number, self._sent_tasks[number]))
-            self._replaced += 1
-            if never_started:
-                warn_never_started(slot, old.pid, replaced=True)
-            else:
-                warn_death(slot, old.pid, old.exitcode, len(verdict.resend))
-
-    def _start_worker(self, slot: int) -> None:
-        index_queue = self._process_factory.Queue()
-        index_queue.cancel_join_thread()
-        write_directly(index_queue)  # NOTE [ Puts without a feeder thread ]
-        self._worker_init_fn.forked_from_main_thread = _in_main_thread()
-        self._progress[slot] = NOT_STARTED
-        self._writing[slot] = 0  # the dead worker's lock was released: NOTE [ Torn results ]
-        worker = self._process_factory.Process(
-            target=_utils.worker._worker_loop,
-            args=(
-                self._dataset_kind,
-                self._dataset,
-                index_queue,
-                self._worker_result_queue,
-                self._workers_done_event,
-                self._auto_collation,
-                self._collate_fn,
-                self._drop_last,
-                self._base_seed,
-                self._worker_init_fn,
-                slot,
-                self._num_workers,
-                self._persistent_workers,
-                self._shared_seed,
-            ),
-        )
-        worker.daemon = True
-        worker.start()
-        self._starting[slot] = time.monotonic()
-        old_queue = self._index_queues[slot]
-        old_queue.cancel_join_thread()
-        old_queue.close()
-        self._index_queues[slot] = index_queue
-        self._workers[slot] = worker
-        self._workers_status[slot] = True
-
-    def _stall_report(self) -> str:
-        held: dict[int, list[int]] = {}
-        for number, info in sorted(self._task_info.items()):
-            if len(info) == 1:
-                held.setdefault(info[0], []).append(number)
-        pids = [worker.pid for worker in self._workers]
-        progress = list(self._progress) if self._progress is not None else None
-        return stall_report(
-            self._timeout, pids, held, progress, self._sent_tasks, self._stack_folder
-        )
-
-
-def _in_main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from fastloader.datasets.collate import plain_values
+from fastloader.loader.transport.groups import Batches
 from fastloader.loader.transport.slots import SlotFile, numpy_dtype
 
 _registry: dict[int, list[SlotFile]] = {}  # key -> the slot files of one worker pool
@@ -66,6 +67,8 @@ def rebuild(
     # child's copy of the batch dying says nothing about this process's.
     weakref.finalize(owner, _free, slots, row, os.getpid()).atexit = False
     arrays = [_view(owner, entry) for entry in entries[1]]
+    if type(skeleton) is Batches:  # NOTE [ Batches per message ]: one region, several batches
+        return Batches([_fill(item, arrays) for item in skeleton])
     return _fill(skeleton, arrays)
 
 

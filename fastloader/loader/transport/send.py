@@ -15,10 +15,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch._utils import ExceptionWrapper
 from torch.utils.data import get_worker_info
 
 from fastloader.datasets.collate import plain_values, stack_arrays
 from fastloader.loader.transport import receive
+from fastloader.loader.transport.groups import Batches, LoadedGroup
 from fastloader.loader.transport.receive import Leaf
 from fastloader.loader.transport.slots import (
     FREE,
@@ -146,11 +148,37 @@ class SlotCollate:
         self.__init__(state["collate_fn"], [restore_fd(fd) for fd in state["fds"]], state["key"])
 
     def __call__(self, batch: Any) -> Any:
+        if type(batch) is LoadedGroup:  # NOTE [ Batches per message ]
+            return self._group(batch)
         out = self.collate_fn(batch)
         leaves: list[Any] = []
         skeleton = _flatten(out, leaves)
         if not leaves:
             return out
+        return self._send(out, leaves, skeleton)
+
+    def _group(self, loaded: LoadedGroup) -> Any:
+        # every batch of the group in one region; each batch fails alone
+        outs = Batches()
+        for samples in loaded:
+            if type(samples) is not ExceptionWrapper:
+                try:
+                    samples = self.collate_fn(samples)
+                except Exception:
+                    samples = _error_here()
+            outs.append(samples)
+        leaves: list[Any] = []
+        skeleton = Batches(
+            out if type(out) is ExceptionWrapper else _flatten(out, leaves) for out in outs
+        )
+        if not leaves:
+            return outs
+        try:
+            return self._send(outs, leaves, skeleton)
+        except Exception:  # (the row is free again): every batch of the group raises it
+            return Batches([_error_here()] * len(outs))
+
+    def _send(self, out: Any, leaves: list[Any], skeleton: Any) -> Any:
         slots = self._my_slots()
         if slots is None:
             return _materialized(out)
@@ -285,11 +313,19 @@ def _remember(described: dict[tuple, bytes], layout: tuple, pickled: bytes) -> b
     return pickled
 
 
+def _error_here() -> ExceptionWrapper:
+    """The exception being handled, as torch's worker loop wraps it."""
+    info = get_worker_info()
+    return ExceptionWrapper(where=f"in DataLoader worker process {info.id if info else 0}")
+
+
 def _materialized(value: Any) -> Any:
     """``value`` with ``Stack`` placeholders stacked (the batch sent the old way)."""
     kind = type(value)
     if kind in DEFERRED:
         return value.materialize()
+    if kind is Batches:
+        return Batches(_materialized(item) for item in value)
     if kind is list:
         return [_materialized(item) for item in value]
     if kind is tuple:

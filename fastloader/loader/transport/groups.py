@@ -1,0 +1,133 @@
+"""Several consecutive batches in one task and one result message, for cheap batches.
+
+Both sides: the pool (main process) sends a ``TaskGroup``, the worker's seeded dataset loads it
+into a ``LoadedGroup``, ``SlotCollate`` writes every batch of it into one slot region and the
+main process receives ``Batches``, handed out one by one.
+
+NOTE [ Batches per message ]
+
+With cheap samples the cost of a batch is its message, not its data (issue 30: a batch of 64
+pose records loads in ~100 us; sending its task and receiving its result cost the main process
+~60 us and the worker as much, on top of torch's per-batch loop). Bigger messages amortise
+that: 2 workers delivered 1.4x fastloader's in-process rate at batch 256 but 0.8x at batch 64.
+So once a pool sees that batches arrive quickly, it sends several consecutive batches of an
+epoch as one task:
+
+* **When.** Only with the slot transport, a map-style dataset with batches (``batch_size`` or a
+  batch sampler), the default collate (it draws nothing, so collating after the group's last
+  batch is loaded gives each batch what it gave alone), and the prefetch depth left to
+  fastloader (a ``prefetch_factor`` the user gives counts batches in flight, as with torch).
+  A pool starts with one batch per message. In its first epoch of at least ``DECIDE_AT``
+  batches, the main process times the delivery from the ``DECIDE_FROM``-th batch to the
+  ``DECIDE_AT``-th (the training loop's own time included), and ``group_size`` then makes each
+  message carry about ``MESSAGE_S`` of the workers' time (at most ``MAX_GROUP`` batches), for
+  the rest of the pool's life. Batches that take longer (images), a training loop slower than
+  the loader (a GPU step) and pools whose epochs are all shorter stay one batch per message.
+  Groups never cross an epoch.
+* **Memory.** A group's batches share one slot region, and a group holds at most
+  ``GROUP_BYTES`` of batches. The messages in flight per worker are the batch depth divided
+  by the group size, at least 2: at most two groups or the depth plus one group, within the
+  ``PREFETCH_BYTES`` that NOTE [ Prefetch depth by batch bytes ] allows. A batch the user
+  keeps holds its group's region until every batch of the group is dropped.
+* **Failures.** Each batch of a group fails alone: an error loading or collating it is that
+  batch's result, raised in its place; the group's other batches arrive. A worker killed
+  while loading a group is healed as for one batch (NOTE [ Supervised workers ]): the group is
+  sent again, and a group that kills workers ``POISON_DEATHS`` times is skipped as a whole,
+  each of its batches raising the poison error (it names every index of the group). After
+  a death, the pool goes back to one batch per message.
+* **Counting.** Epoch lengths, ``state_dict`` positions and the diagnosis count batches, as
+  before: a group is only how batches travel.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from time import perf_counter
+from typing import Any, NamedTuple
+
+DECIDE_FROM = 16  # batches of an epoch before timing starts (start-up, first reads)
+DECIDE_AT = 48  # the batch of an epoch at which the group size is decided
+MESSAGE_S = 0.004  # workers' time one message should carry
+MAX_GROUP = 8
+GROUP_BYTES = 8 << 20  # a group's batches together: a quarter of PREFETCH_BYTES
+
+
+class TaskGroup(NamedTuple):
+    """Consecutive batches of one epoch sent to a worker as one task."""
+
+    epoch: int
+    batches: tuple  # each batch's indices, in order
+    number: int = -1  # torch's task number, as in ``Task``
+
+    @property
+    def indices(self) -> list:
+        """Every index of the group, in order (what an error about the whole group names)."""
+        return [index for batch in self.batches for index in batch]
+
+
+class LoadedGroup(list):
+    """In the worker: each batch's samples, or the ``ExceptionWrapper`` of a batch that
+    failed to load, in order (what the seeded dataset returns for a ``TaskGroup``)."""
+
+    __slots__ = ()
+
+
+class Batches(list):
+    """A group's results, in order: each a batch, or the ``ExceptionWrapper`` of a batch
+    that failed (what the main process receives for a ``TaskGroup``)."""
+
+    __slots__ = ()
+
+
+def group_size(seconds_per_batch: float, workers: int) -> int:
+    """How many batches a message should carry when the pool delivers one batch every
+    ``seconds_per_batch`` with ``workers`` workers (each worker then takes about
+    ``seconds_per_batch * workers`` per batch)."""
+    worker_s = max(seconds_per_batch * workers, 1e-9)
+    return max(1, min(MAX_GROUP, int(MESSAGE_S / worker_s)))
+
+
+class GroupPlan:
+    """The pool's side: whether and how many batches go per message, and the received batches
+    of a group not yet handed out (NOTE [ Batches per message ])."""
+
+    def __init__(self, allowed: bool) -> None:
+        self.deciding = allowed
+        self.size = 1
+        self.pending: deque = deque()  # batches (or ExceptionWrappers) still to hand out
+        self._counted = 0
+        self._started = 0.0
+        self.batch_bytes = 0  # of the first batch (set by the pool)
+
+    def new_epoch(self) -> None:
+        """Drop what an abandoned epoch left; timing starts again with the epoch."""
+        self.pending.clear()
+        self._counted = 0
+
+    def count(self, workers: int) -> bool:
+        """Count one batch delivered one per message; True when the size was just decided."""
+        self._counted += 1
+        if self._counted == DECIDE_FROM:
+            self._started = perf_counter()
+        elif self._counted == DECIDE_AT:
+            self.deciding = False
+            per_batch = (perf_counter() - self._started) / (DECIDE_AT - DECIDE_FROM)
+            fit = GROUP_BYTES // self.batch_bytes if self.batch_bytes else MAX_GROUP
+            self.size = max(1, min(group_size(per_batch, workers), fit))
+            return True
+        return False
+
+    def stop(self) -> None:
+        """One batch per message from now on (after a worker's death)."""
+        self.deciding = False
+        self.size = 1
+
+    def grow(self, first: Any, schedule: Any, number: int) -> Any:
+        """``first`` (a ``Task``) and the epoch's next batches as one ``TaskGroup`` of up to
+        ``size`` batches; ``first`` itself when no other batch of its epoch is left."""
+        batches = [first.indices]
+        while len(batches) < self.size and schedule.more_in(first.epoch):
+            batches.append(schedule.next_task(number).indices)
+        if len(batches) == 1:
+            return first
+        return TaskGroup(first.epoch, tuple(batches), number)
