@@ -7,6 +7,7 @@
   workers ] in loader/supervision.py);
 - ``slot_collate.py``: torch's ``default_collate`` stacking straight into a shared-memory slot
   (runs in the workers; NOTE [ Batch transport ] in loader/transport/__init__.py);
+- ``pool_healing.py``: supervision's half of the pool (finding dead workers, replacing them);
 - ``worker_loop.py``: in each worker, torch's loop given a task queue read through
   ``BufferedGet`` (NOTE [ Puts without a feeder thread ] in loader/transport/pipes.py);
 - ``torch_internals.py``: the list of what we rely on, checked against the installed torch.
@@ -40,8 +41,11 @@ is torch's iterator, ``_BaseDataLoaderIter``) and rely on:
   ``(self._send_idx, task)``;
 - ``_next_data()``, ``_reset(loader)``, ``_try_put_index()``, ``_process_data()``,
   ``_get_data()``, ``_try_get_data()``, ``_shutdown_workers()`` and the state ``_send_idx``,
-  ``_rcvd_idx``, ``_task_info``, ``_tasks_outstanding``, ``_prefetch_factor`` (also set,
-  once: NOTE [ Prefetch depth by batch bytes ]), ``_in_order``,
+  ``_rcvd_idx``, ``_task_info``, ``_tasks_outstanding``, ``_prefetch_factor`` (also set:
+  from the first batch's bytes, NOTE [ Prefetch depth by batch bytes ]; lower once batches
+  travel in groups and back after a worker's death, NOTE [ Batches per message ]; our
+  ``_try_put_index`` puts nothing while torch's assertion that fewer tasks are outstanding
+  than it allows would fail), ``_in_order``,
   ``_workers``, ``_index_queues``, ``_worker_result_queue``, ``_workers_done_event``,
   ``_workers_status``, ``_base_seed``, ``_shared_seed``, ``_worker_pids_set``, ``_shutdown``;
 - ``_utils.worker._worker_loop`` calling ``init_fn(worker_id)`` from its own frame before its
@@ -51,6 +55,10 @@ is torch's iterator, ``_BaseDataLoaderIter``) and rely on:
 - ``_utils.worker._worker_loop``'s argument list (replacement workers are started with it),
   ``_utils.worker._ResumeIteration``, and ``_utils.signal_handling._remove_worker_pids``
   (see NOTE [ Supervised workers ] in loader/supervision.py);
+- ``_utils.fetch._MapDatasetFetcher.fetch`` handing the task it is given to the dataset's
+  ``__getitems__`` as it is and that result to ``collate_fn``, and the worker loop wrapping
+  an exception of either as the task's result: a ``TaskGroup`` becomes a ``LoadedGroup``
+  and then ``Batches`` that way (NOTE [ Batches per message ]);
 - ``torch.utils.data._utils.worker.WorkerInfo`` being a plain object whose ``dataset`` we
   point back at the user's dataset.
 

@@ -64,6 +64,11 @@ CALLED: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
         ),
     ),
     ("torch.utils.data._utils.worker", "_ResumeIteration", None),
+    (
+        "torch.utils.data._utils.fetch",
+        "_MapDatasetFetcher.fetch",
+        ("self", "possibly_batched_index"),
+    ),
     ("torch.utils.data._utils.worker", "WorkerInfo", None),
     ("torch.utils.data._utils.signal_handling", "_remove_worker_pids", None),
     ("torch.utils.data._utils", "MP_STATUS_CHECK_INTERVAL", None),

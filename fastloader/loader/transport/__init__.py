@@ -84,6 +84,10 @@ rate for a user's HDF5 fields). Here a batch costs one copy, made in the worker:
   the slot: pinning copies it once into pinned memory (the only host copy), and the slot is
   freed as soon as the pinned copy exists.
 
+* **Several batches per message.** Once batches prove cheap, consecutive batches of an epoch
+  travel as one task, one slot region and one descriptor (NOTE [ Batches per message ] in
+  ``groups.py``).
+
 ``WorkerPoolIter.slots = False`` sends batches torch's way (benchmarks/transport.py compares
 both).
 """
