@@ -320,7 +320,8 @@ def transport_summary(result: dict) -> str:
     if in_process is not None and plain is not None:
         lines.append(
             f"pose, batch 64: 2 workers give {_ratio(in_process)} of fastloader's in-process "
-            f"rate; in-process, {_ratio(plain)} of a plain __getitems__ + collate loop"
+            f"rate (in the same rounds); in-process, {_ratio(plain)} of a plain __getitems__ + "
+            "collate loop"
         )
     return "\n".join(lines)
 

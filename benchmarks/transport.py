@@ -61,6 +61,7 @@ IN_PROCESS_ROUNDS = 5
 TORCH, OURS, PICKLED, PLAIN = "torch", "fastloader", "fastloader_pickled", "plain_loop"
 #: fastloader with torch's fixed prefetch_factor=2 (NOTE [ Prefetch depth by batch bytes ])
 DEPTH2 = "fastloader_prefetch2"
+IN_PROCESS = "fastloader_0w"  # fastloader in the main process, in the rounds with workers
 
 
 class Images(Dataset):
@@ -118,6 +119,8 @@ def _loaders(
         loaders[DEPTH2] = DataLoader(dataset, seed=0, prefetch_factor=2, **common)
     if plain and workers == 0:
         loaders[PLAIN] = PlainLoop(dataset, batch)
+    if plain and workers:  # the goal's ratio, paired round by round like the others
+        loaders[IN_PROCESS] = DataLoader(dataset, seed=0, batch_size=batch, shuffle=True)
     return loaders
 
 
@@ -146,6 +149,8 @@ def _close(loaders: dict[str, Any]) -> None:
 
 
 def _compare(kind: str, dataset: Dataset, batch: int, size: str, plain: bool = False) -> list:
+    """Rows for each worker count; ``plain``: also against a plain loop (without workers) and
+    fastloader in the main process (with workers)."""
     rows = []
     for workers in WORKER_COUNTS[size]:
         note(f"{kind}, {workers} workers")
@@ -170,16 +175,13 @@ def _compare(kind: str, dataset: Dataset, batch: int, size: str, plain: bool = F
 
 
 def _in_process_ratios(kind: str, rows: list) -> dict[str, float]:
-    """fastloader with workers vs fastloader in the main process (the same run): the ratio of
-    their median epochs (they run one after the other, so there are no rounds to pair)."""
-    in_process = next(seconds for row, seconds in rows if row["num_workers"] == 0)[OURS]
-    ratios = {}
-    for row, seconds in rows:
-        if row["num_workers"]:
-            key = f"{kind}_{row['num_workers']}w_vs_fastloader_0w"
-            ratio = statistics.median(in_process) / statistics.median(seconds[OURS])
-            ratios[key] = round(ratio, 3)
-    return ratios
+    """fastloader with workers vs fastloader in the main process, both in the same rounds:
+    the median of per-round ratios (a load that changes between blocks of rows moves both)."""
+    return {
+        f"{kind}_{row['num_workers']}w_vs_fastloader_0w": row[f"vs_{IN_PROCESS}"]
+        for row, _ in rows
+        if f"vs_{IN_PROCESS}" in row
+    }
 
 
 def run(size: str, workdir: Path) -> dict:
@@ -218,8 +220,8 @@ def run(size: str, workdir: Path) -> dict:
             "vs_*: fastloader's samples/s over the named loader's, median of per-round ratios "
             f"({rounds} interleaved rounds after a warm-up epoch; {rounds * IN_PROCESS_ROUNDS} "
             "without workers)",
-            "*_vs_fastloader_0w: fastloader with workers over fastloader in the main process, "
-            "ratio of median epochs (run one after the other)",
+            "*_vs_fastloader_0w: fastloader with workers over fastloader in the main process "
+            "(fastloader_0w, interleaved in the same rounds), median of per-round ratios",
             "torch: persistent_workers=True with workers; fastloader_pickled (sizes tiny, full): "
             "fastloader with torch's transport (WorkerPoolIter.slots = False, pipes.ENABLED "
             "= False: pickled batches, queue feeder threads)",
