@@ -299,16 +299,23 @@ class WorkerPoolIter(
             self._prefetch_factor = self._batch_depth = prefetch_depth(batch)
             self._groups.batch_bytes = batch_bytes(batch)
             self._fill()
-        elif self._groups.deciding and self._groups.count(self._num_workers):
-            self._prefetch_factor = max(2, -(-self._batch_depth // self._groups.size))
+        elif self._groups.deciding:
+            self._count_for_groups()
         return batch
 
     def _hand_out(self) -> Any:
         item = self._groups.pending.popleft()
         self._delivered += 1  # (a batch that failed counts too, as above)
+        if self._groups.deciding:
+            self._count_for_groups()
         if isinstance(item, ExceptionWrapper):
             item.reraise()
         return item
+
+    def _count_for_groups(self) -> None:
+        # NOTE [ Batches per message ]: messages in flight per worker follow the group size
+        if self._groups.count(self._num_workers):
+            self._prefetch_factor = max(2, -(-self._batch_depth // self._groups.size))
 
     def _warn_reseeded(self) -> None:
         self._reseeded = None

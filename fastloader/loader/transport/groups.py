@@ -17,12 +17,13 @@ epoch as one task:
   batch sampler), the default collate (it draws nothing, so collating after the group's last
   batch is loaded gives each batch what it gave alone), and the prefetch depth left to
   fastloader (a ``prefetch_factor`` the user gives counts batches in flight, as with torch).
-  A pool starts with one batch per message. In its first epoch of at least ``DECIDE_AT``
+  A pool starts with one batch per message. In every epoch of at least ``DECIDE_AT``
   batches, the main process times the delivery from the ``DECIDE_FROM``-th batch to the
   ``DECIDE_AT``-th (the training loop's own time included), and ``group_size`` then makes each
-  message carry about ``MESSAGE_S`` of the workers' time (at most ``MAX_GROUP`` batches), for
-  the rest of the pool's life. Batches that take longer (images), a training loop slower than
-  the loader (a GPU step) and pools whose epochs are all shorter stay one batch per message.
+  message carry about ``MESSAGE_S`` of the workers' time (at most ``MAX_GROUP`` batches) for
+  the tasks sent after it (decided again each epoch: the first epoch's timing includes cold
+  pages and start-up). Batches that take longer (images), a training loop slower than the
+  loader (a GPU step) and pools whose epochs are all shorter stay one batch per message.
   Groups never cross an epoch.
 * **Memory.** A group's batches share one slot region, and a group holds at most
   ``GROUP_BYTES`` of batches. The messages in flight per worker are the batch depth divided
@@ -105,12 +106,11 @@ class GroupPlan:
         self._counted = 0
 
     def count(self, workers: int) -> bool:
-        """Count one batch delivered one per message; True when the size was just decided."""
+        """Count one batch handed out; True when the size was just decided (again)."""
         self._counted += 1
         if self._counted == DECIDE_FROM:
             self._started = perf_counter()
         elif self._counted == DECIDE_AT:
-            self.deciding = False
             per_batch = (perf_counter() - self._started) / (DECIDE_AT - DECIDE_FROM)
             fit = GROUP_BYTES // self.batch_bytes if self.batch_bytes else MAX_GROUP
             self.size = max(1, min(group_size(per_batch, workers), fit))
