@@ -61,10 +61,13 @@ from fastloader.formats.advice import fits_in_memory
 INPUT_BOUND_THRESHOLD = 0.10
 #: Workers busier than this share of their time cannot load faster: add workers.
 BUSY_WORKERS = 0.80
-#: What handing a batch over from a worker costs, about: 0.06-0.10 ms of the training
-#: process's CPU to receive it and about 0.06 ms of the worker's beyond the loading (the
-#: 2-core box: benchmarks/results/transport-0w-full.md): a batch that loads in the
-#: training process (collate and loop included) faster than this is cheaper there.
+#: What handing a batch over from a worker costs, about: 0.04-0.07 ms of the training
+#: process's CPU to receive it (0.06-0.10 ms where batches travel one per message: NOTE
+#: [ Batches per message ]) and 0.06-0.1 ms of the worker's beyond the loading (the 2-core
+#: box: benchmarks/results/transport-0w-full.md, transport-groups-full.md): a batch that
+#: loads in the training process (collate and loop included) faster than this is as fast or
+#: faster there (pose fields, 0.1 ms a batch of 64: 2 workers 1.09x; an index, 0.08 ms a
+#: batch of 256: about 0.67x).
 HANDOVER_S = 0.15e-3
 #: Workers that spend less than this in the dataset per batch: cheaper in the training
 #: process. Lower than ``HANDOVER_S`` by the collate and the loop, which workers' busy time
@@ -186,7 +189,7 @@ def _worker_advice(stats: Any, settings: Any) -> str:
         return (
             f"workers load a batch in {1000 * load_s:.2f} ms, less than handing it to the "
             f"training process costs it (about {1000 * HANDOVER_S:.2f} ms): num_workers=0 "
-            "loads faster and leaves training more CPU"
+            "loads such batches as fast or faster"
         )
     return (
         f"workers are busy only {100 * busy:.0f}% of the time, yet training waits: batches "
