@@ -14,8 +14,12 @@ import warnings
 import torch
 from torch.utils.data import Dataset
 
-from fastloader import DataLoader
-from fastloader.loader.transport import groups
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _supervision_scenarios import results_of_epoch  # noqa: E402
+
+from fastloader import DataLoader  # noqa: E402
+from fastloader.loader.transport import groups  # noqa: E402
 
 groups.MESSAGE_S = 10.0
 
@@ -36,22 +40,6 @@ class Indices(Dataset):
         return i
 
 
-def _results(loader, hook=None):
-    """Every result of one epoch (a batch's indices, or its error's type and text)."""
-    results = []
-    iterator = iter(loader)
-    while len(results) < 3 * len(loader):  # bounded even if an epoch never ends
-        if hook is not None:
-            hook(len(results))
-        try:
-            results.append(next(iterator).tolist())
-        except StopIteration:
-            break
-        except RuntimeError as error:
-            results.append(f"{type(error).__name__}: {error}")
-    return results
-
-
 def killed():
     """A worker killed while groups are in flight: the epochs equal a clean run's."""
     loader = DataLoader(Indices(800), batch_size=4, num_workers=2, shuffle=True, seed=3)
@@ -65,9 +53,11 @@ def killed():
     report = {}
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
-        epochs = [_results(loader, kill_at_100 if epoch == 0 else None) for epoch in range(2)]
+        epochs = [
+            results_of_epoch(loader, kill_at_100 if epoch == 0 else None) for epoch in range(2)
+        ]
     report["size_after"] = loader._iterator._groups.size
-    report["equal"] = epochs == [_results(clean) for _ in range(2)]
+    report["equal"] = epochs == [results_of_epoch(clean) for _ in range(2)]
     report["deaths_warned"] = sum("SIGKILL" in str(w.message) for w in warned)
     loader.close()
     print(json.dumps(report), flush=True)
@@ -78,7 +68,7 @@ def poisoned():
     loader = DataLoader(Indices(400, poison=[300]), batch_size=2, num_workers=2, seed=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        epochs = [_results(loader) for _ in range(2)]
+        epochs = [results_of_epoch(loader) for _ in range(2)]
     loader.close()
     print(json.dumps({"epochs": epochs}), flush=True)
 

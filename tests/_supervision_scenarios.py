@@ -164,7 +164,7 @@ def poison():
     loader = DataLoader(KillsItsWorker(), batch_size=2, num_workers=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        epochs = [_results(loader) for _ in range(2)]
+        epochs = [results_of_epoch(loader) for _ in range(2)]
     loader.close()
     print(json.dumps({"epochs": epochs}), flush=True)
 
@@ -206,11 +206,14 @@ class KillsItsWorkerAt(Dataset):
         return i
 
 
-def _results(loader):
-    """Every result of one epoch, going on after errors as the README suggests."""
+def results_of_epoch(loader, before_next=None):
+    """Every result of one epoch, going on after errors as the README suggests.
+    ``before_next(count)`` runs before each ``next`` (count: results so far)."""
     results = []
     iterator = iter(loader)
     while len(results) < 3 * len(loader):  # bounded even if an epoch never ends
+        if before_next is not None:
+            before_next(len(results))
         try:
             results.append(next(iterator).tolist())
         except StopIteration:
@@ -230,7 +233,7 @@ def consecutive_poison():
             loader = DataLoader(
                 KillsItsWorkerAt(poison), batch_size=batch_size, num_workers=workers
             )
-            report[name] = [_results(loader) for _ in range(2)]
+            report[name] = [results_of_epoch(loader) for _ in range(2)]
             loader.close()
     print(json.dumps(report), flush=True)
 
@@ -257,9 +260,9 @@ def lost_continue():
                 for pid in loader.worker_pids:
                     os.kill(pid, signal.SIGKILL)
         epochs.append(results)
-        epochs.append(_results(loader))  # a fresh pool, whose workers die too
+        epochs.append(results_of_epoch(loader))  # a fresh pool, whose workers die too
         os.environ["FASTLOADER_TEST_DIE"] = "0"
-        epochs.append(_results(loader))  # workers can be restored again
+        epochs.append(results_of_epoch(loader))  # workers can be restored again
     loader.close()
     print(json.dumps({"epochs": epochs, "length": len(loader)}), flush=True)
 
