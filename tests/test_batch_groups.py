@@ -58,7 +58,7 @@ def test_grouped_epochs_equal_in_process_epochs_and_kept_batches_stay_intact():
     grouped, alone = _loaders(Records())
     kept = [list(grouped) for _ in range(3)]  # every batch kept: their regions stay held
     assert grouped._iterator._groups.size == groups.MAX_GROUP
-    assert grouped._iterator._prefetch_factor == 2  # messages in flight: 8 batches / 8, min 2
+    assert grouped._iterator._prefetch_factor == 2  # messages in flight: 8 batches / 16, min 2
     for epoch in kept:
         assert _same(epoch, list(alone))
         assert all(b["name"] == [f"s{i}" for i in b["i"].tolist()] for b in epoch)
@@ -78,7 +78,7 @@ def test_a_batch_that_fails_inside_a_group_raises_alone_and_the_epoch_goes_on():
                     break
                 except KeyError as error:
                     loader.outcomes.append(f"KeyError, sample 250: {'sample 250' in str(error)}")
-    assert grouped._iterator._groups.size == groups.MAX_GROUP  # batch 62 was in a group
+    assert grouped._iterator._groups.size == groups.MAX_GROUP  # epoch 2: batch 62 in a group
     assert grouped.outcomes == alone.outcomes
     assert sum(isinstance(o, str) for o in grouped.outcomes) == 2  # one batch, each epoch
     assert len(grouped.outcomes) == 2 * len(grouped)
@@ -89,7 +89,7 @@ def test_a_state_taken_inside_a_group_resumes_the_same_batches():
     grouped, alone = _loaders(Records())
     list(grouped)  # groups form in the first epoch; the second is sent in groups from batch 0
     iterator = iter(grouped)
-    for _ in range(13):  # inside the second group
+    for _ in range(13):  # inside the first group
         next(iterator)
     assert grouped._iterator._groups.pending  # batches of this group not yet handed out
     state = json.loads(json.dumps(grouped.state_dict()))
@@ -164,7 +164,7 @@ def test_a_poison_sample_inside_a_group_skips_that_group_then_only_its_batch():
         assert all(b == [2 * n, 2 * n + 1] for n, b in enumerate(epoch) if b in batches)
         errors = [b for b in epoch if isinstance(b, str)]
         assert all(e.startswith("PoisonSampleError") and "300" in e for e in errors)
-    # batch 150 (samples 300-301) was in a group of 8: the group is skipped as a whole...
+    # batch 150 (samples 300-301) was in a group of MAX_GROUP: skipped as a whole...
     skipped = [n for n, b in enumerate(first) if isinstance(b, str)]
     assert len(skipped) == groups.MAX_GROUP and 150 in skipped
     assert skipped == list(range(skipped[0], skipped[0] + groups.MAX_GROUP))
