@@ -66,8 +66,8 @@ BUSY_WORKERS = 0.80
 #: [ Batches per message ]) and 0.06-0.1 ms of the worker's beyond the loading (the 2-core
 #: box: benchmarks/results/transport-0w-full.md, transport-groups-full.md): a batch that
 #: loads in the training process (collate and loop included) faster than this is as fast or
-#: faster there (pose fields, 0.1 ms a batch of 64: 2 workers 1.09x; an index, 0.08 ms a
-#: batch of 256: about 0.67x).
+#: faster there (pose fields, 0.1 ms a batch of 64: 2 workers 0.88-1.17x; an index, 0.08 ms
+#: a batch of 256: about 0.67x).
 HANDOVER_S = 0.15e-3
 #: Workers that spend less than this in the dataset per batch: cheaper in the training
 #: process. Lower than ``HANDOVER_S`` by the collate and the loop, which workers' busy time

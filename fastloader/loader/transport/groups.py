@@ -11,8 +11,9 @@ pose records loads in ~100 us; sending its task and receiving its result cost th
 ~60 us and the worker as much, on top of torch's per-batch loop). Bigger messages amortise
 that: 2 workers delivered 1.4x fastloader's in-process rate at batch 256 but 0.8x at batch 64.
 So once a pool sees that batches arrive quickly, it sends several consecutive batches of an
-epoch as one task (pose batches of 64 with 2 workers: 1.09x the in-process rate, and 0.045 ms
-of the main process's CPU per batch instead of 0.10; benchmarks/results/transport-groups-full.md):
+epoch as one task (pose batches of 64 with 2 workers: 1.06-1.17x the in-process rate in 3 of
+4 runs, 0.88x in one, and 0.04 ms of the main process's CPU per batch instead of 0.10;
+benchmarks/results/transport-groups-full.md):
 
 * **When.** Only with the slot transport, a map-style dataset with batches (``batch_size`` or a
   batch sampler), the default collate (it draws nothing, so collating after the group's last
