@@ -66,11 +66,17 @@ def killed():
 def poisoned():
     """A sample that kills its worker every time, inside a group and then without groups."""
     loader = DataLoader(Indices(400, poison=[300]), batch_size=2, num_workers=2, seed=0)
+    report = {}
+
+    def size_at_100(delivered):
+        if delivered == 100:  # batch 150 (samples 300-301) is sent in a group after this
+            report["size_before"] = loader._iterator._groups.size
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        epochs = [results_of_epoch(loader) for _ in range(2)]
+        report["epochs"] = [results_of_epoch(loader, size_at_100), results_of_epoch(loader)]
     loader.close()
-    print(json.dumps({"epochs": epochs}), flush=True)
+    print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":

@@ -193,10 +193,13 @@ class SeededDataset:
         collate_may_draw: bool = True,
         memory: SeedingMemory | None = None,
         columns: bool = False,
+        group_progress: Any = None,
     ) -> None:
         self.dataset = dataset
         self.seed = seed
         self.progress = progress  # shared array: slot -> number of the task being loaded
+        # shared array: slot -> which batch of its group (NOTE [ Batches per message ])
+        self.group_progress = group_progress
         # shared array: slot -> seconds spent loading (NOTE [ The diagnosis ] in stats/diagnosis.py)
         self.busy = busy
         self.slot = 0  # set in each worker by _WorkerInit
@@ -267,11 +270,19 @@ class SeededDataset:
     def _load_group(self, group: TaskGroup) -> LoadedGroup:
         # each batch fails alone: its error is its result (NOTE [ Batches per message ])
         loaded = LoadedGroup()
-        for indices in group.batches:
+        skipped = dict(group.skipped)  # batches judged poison: their error is their result
+        for position, indices in enumerate(group.batches):
+            if position in skipped:
+                loaded.append(skipped[position])
+                continue
+            if self.group_progress is not None:
+                self.group_progress[self.slot] = position
             try:
                 loaded.append(self.__getitems__(Task(group.epoch, indices, group.number)))
             except Exception:
                 loaded.append(ExceptionWrapper(where=f"in DataLoader worker process {self.slot}"))
+        if self.group_progress is not None:
+            self.group_progress[self.slot] = len(group.batches)  # past its loads
         return loaded
 
     def _load_task(self, task: Task) -> list:

@@ -166,6 +166,11 @@ class DeathLedger:
         self.restarts_without_progress[slot] = count
         return count <= RESTARTS_WITHOUT_PROGRESS
 
+    def forget(self, task_number: int) -> None:
+        """Drop the deaths blamed on a task (a batch of its group was judged: NOTE [ Batches
+        per message ])."""
+        self.deaths_by_task.pop(task_number, None)
+
     def progressed(self, slot: int) -> None:
         if self.restarts_without_progress:
             self.restarts_without_progress.pop(slot, None)

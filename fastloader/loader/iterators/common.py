@@ -71,6 +71,7 @@ class SeededDatasetMixin:
     _cursor: Any  # the loader's EpochCursor (NOTE [ The epoch cursor ] in loader/cursor.py)
     _shared_epoch: Any
     _progress: Any = None
+    _group_progress: Any = None  # NOTE [ Batches per message ]
 
     @property
     def _dataset(self) -> Any:
@@ -89,7 +90,12 @@ class SeededDatasetMixin:
             wrapped = SeededIterableDataset(dataset, self._seed, self._shared_epoch, seed_rngs)
         else:
             wrapped = SeededDataset(
-                dataset, self._seed, self._progress, busy=self.busy_seconds, **self._seeding
+                dataset,
+                self._seed,
+                self._progress,
+                busy=self.busy_seconds,
+                group_progress=self._group_progress,
+                **self._seeding,
             )
         self.__dict__["_seeded_dataset"] = wrapped
 

@@ -14,6 +14,7 @@ import time
 from torch.utils.data import _utils
 
 from fastloader.loader import supervision as _supervision
+from fastloader.loader.seeding import Task
 from fastloader.loader.supervision import (
     NOT_STARTED,
     WorkersLostError,
@@ -68,22 +69,29 @@ class PoolHealing:
                 for number, info in self._task_info.items()
                 if len(info) == 1 and info[0] == slot
             )
+            current = self._progress[slot]
+            # NOTE [ Batches per message ]: a group's death is blamed on the batch being loaded
+            culprit = self._batch_in_group(slot, current)
+            tasks = self._sent_tasks if culprit is None else {**self._sent_tasks, current: culprit}
             verdict = judge_death(
-                self._ledger,
-                slot,
-                old.pid,
-                old.exitcode,
-                self._progress[slot],
-                unfinished,
-                self._sent_tasks,
+                self._ledger, slot, old.pid, old.exitcode, current, unfinished, tasks
             )
             if self._groups.size > 1 or self._groups.deciding:  # NOTE [ Batches per message ]
                 self._groups.stop()  # one batch per message from now on
                 self._prefetch_factor = self._batch_depth or self._prefetch_factor
-            if verdict.poisoned is not None:
+            resend = verdict.resend
+            if verdict.poisoned is not None and culprit is not None:
+                # the group goes again, the poison batch skipped: its error is its result
+                number, result = verdict.poisoned
+                group = self._sent_tasks[number]
+                skipped = (*group.skipped, (self._group_progress[slot], result))
+                self._sent_tasks[number] = group._replace(skipped=skipped)
+                self._ledger.forget(number)  # another batch of it starts with no deaths
+                resend = [number, *resend]
+            elif verdict.poisoned is not None:
                 number, result = verdict.poisoned
                 task = self._sent_tasks.pop(number, None)
-                if type(task) is TaskGroup:  # each batch of the group raises the error
+                if type(task) is TaskGroup:  # died past its loads: every batch raises it
                     result = Batches([result] * len(task.batches))
                 # handed on by _get_data as the task's result, so torch's loop goes on even
                 # when no other result will come (the following tasks are poison too)
@@ -102,13 +110,24 @@ class PoolHealing:
             queue = self._index_queues[slot]
             if self._resetting:
                 queue.put(_utils.worker._ResumeIteration(self._shared_seed))
-            for number in verdict.resend:
+            for number in resend:
                 queue.put((number, self._sent_tasks[number]))
             self._replaced += 1
             if never_started:
                 warn_never_started(slot, old.pid, replaced=True)
             else:
-                warn_death(slot, old.pid, old.exitcode, len(verdict.resend))
+                warn_death(slot, old.pid, old.exitcode, len(resend))
+
+    def _batch_in_group(self, slot: int, current: int) -> Task | None:
+        """The batch of group task ``current`` that worker ``slot`` was loading, as a
+        ``Task``; None when ``current`` is not a group."""
+        group = self._sent_tasks.get(current)
+        if type(group) is not TaskGroup or self._group_progress is None:
+            return None
+        position = self._group_progress[slot]
+        if not 0 <= position < len(group.batches):  # past its loads (collate, sending)
+            return None
+        return Task(group.epoch, group.batches[position], group.number)
 
     def _start_worker(self, slot: int) -> None:
         index_queue = self._process_factory.Queue()

@@ -79,6 +79,7 @@ class WorkerPoolIter(
         self._forks = context.get_start_method() == "fork"
         if self._supervised:
             self._progress = context.RawArray("q", [NOT_STARTED] * loader.num_workers)
+            self._group_progress = context.RawArray("q", loader.num_workers)
         if self._schedule is not None:
             self.busy_seconds = context.RawArray("d", loader.num_workers)
         self._process_factory = loader.multiprocessing_context or torch.multiprocessing

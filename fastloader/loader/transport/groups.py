@@ -35,9 +35,13 @@ benchmarks/results/transport-groups-full.md):
 * **Failures.** Each batch of a group fails alone: an error loading or collating it is that
   batch's result, raised in its place; the group's other batches arrive. A worker killed
   while loading a group is healed as for one batch (NOTE [ Supervised workers ]): the group is
-  sent again, and a group that kills workers ``POISON_DEATHS`` times is skipped as a whole,
-  each of its batches raising the poison error (it names every index of the group). After
-  a death, the pool goes back to one batch per message.
+  sent again. Each worker also records which batch of its group it is loading (a second
+  shared progress slot), so deaths are blamed on that batch: once it has killed workers
+  ``POISON_DEATHS`` times, the group is sent again with that batch *skipped*, its poison
+  error (naming that batch's indices) carried in the task and handed out in its place, and
+  the group's other batches arrive. A worker that dies past the group's loads (collating,
+  writing the slot) is blamed on the group: once poison, every batch of it raises. After a
+  death, the pool goes back to one batch per message.
 * **Counting.** Epoch lengths, ``state_dict`` positions and the diagnosis count batches, as
   before: a group is only how batches travel.
 """
@@ -63,6 +67,7 @@ class TaskGroup(NamedTuple):
     epoch: int
     batches: tuple  # each batch's indices, in order
     number: int = -1  # torch's task number, as in ``Task``
+    skipped: tuple = ()  # (position, its result): batches judged poison, not loaded again
 
     @property
     def indices(self) -> list:

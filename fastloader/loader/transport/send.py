@@ -161,7 +161,7 @@ class SlotCollate:
         # every batch of the group in one region; each batch fails alone
         outs = Batches()
         for samples in loaded:
-            if type(samples) is not ExceptionWrapper:
+            if not isinstance(samples, ExceptionWrapper):
                 try:
                     samples = self.collate_fn(samples)
                 except Exception:
@@ -169,7 +169,7 @@ class SlotCollate:
             outs.append(samples)
         leaves: list[Any] = []
         skeleton = Batches(
-            out if type(out) is ExceptionWrapper else _flatten(out, leaves) for out in outs
+            out if isinstance(out, ExceptionWrapper) else _flatten(out, leaves) for out in outs
         )
         if not leaves:
             return outs
