@@ -48,7 +48,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from torch._utils import ExceptionWrapper
 from torch.utils.data import (
     IterableDataset,
     StackDataset,
@@ -64,7 +63,7 @@ from fastloader.loader.lazy_seeding import (
     probe_length,
 )
 from fastloader.loader.rngs import NoStates, StateKeeper, TrainingStates, seed_rngs
-from fastloader.loader.transport.groups import LoadedGroup, TaskGroup
+from fastloader.loader.transport.groups import LoadedGroup, TaskGroup, batch_error
 from fastloader.sampling.seeds import _epoch_key, _index_key, _mix64, sample_seed
 
 #: What ``DataLoader(seed_rngs=...)`` accepts; see NOTE [ Lazy seeding ].
@@ -280,7 +279,7 @@ class SeededDataset:
             try:
                 loaded.append(self.__getitems__(Task(group.epoch, indices, group.number)))
             except Exception:
-                loaded.append(ExceptionWrapper(where=f"in DataLoader worker process {self.slot}"))
+                loaded.append(batch_error(self.slot))
         if self.group_progress is not None:
             self.group_progress[self.slot] = len(group.batches)  # past its loads
         return loaded

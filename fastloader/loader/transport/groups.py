@@ -52,6 +52,8 @@ from collections import deque
 from time import perf_counter
 from typing import Any, NamedTuple
 
+from torch._utils import ExceptionWrapper
+
 DECIDE_FROM = 16  # batches of an epoch before timing starts (start-up, first reads)
 DECIDE_AT = 48  # the batch of an epoch at which the group size is decided
 MESSAGE_S = 0.004  # workers' time one message should carry
@@ -87,6 +89,12 @@ class Batches(list):
     that failed (what the main process receives for a ``TaskGroup``)."""
 
     __slots__ = ()
+
+
+def batch_error(worker_id: int) -> ExceptionWrapper:
+    """The exception being handled, as one batch's result: what torch's worker loop makes of
+    a task's exception, for one batch of a group."""
+    return ExceptionWrapper(where=f"in DataLoader worker process {worker_id}")
 
 
 def group_size(seconds_per_batch: float, workers: int) -> int:

@@ -20,7 +20,7 @@ from torch.utils.data import get_worker_info
 
 from fastloader.datasets.collate import plain_values, stack_arrays
 from fastloader.loader.transport import receive
-from fastloader.loader.transport.groups import Batches, LoadedGroup
+from fastloader.loader.transport.groups import Batches, LoadedGroup, batch_error
 from fastloader.loader.transport.receive import Leaf
 from fastloader.loader.transport.slots import (
     FREE,
@@ -314,9 +314,8 @@ def _remember(described: dict[tuple, bytes], layout: tuple, pickled: bytes) -> b
 
 
 def _error_here() -> ExceptionWrapper:
-    """The exception being handled, as torch's worker loop wraps it."""
     info = get_worker_info()
-    return ExceptionWrapper(where=f"in DataLoader worker process {info.id if info else 0}")
+    return batch_error(info.id if info else 0)
 
 
 def _materialized(value: Any) -> Any:
