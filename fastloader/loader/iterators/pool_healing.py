@@ -76,7 +76,7 @@ class PoolHealing:
             verdict = judge_death(
                 self._ledger, slot, old.pid, old.exitcode, current, unfinished, tasks
             )
-            if self._groups.size > 1 or self._groups.deciding:  # NOTE [ Batches per message ]
+            if self._groups.size > 1 or self._groups.adapts:  # NOTE [ Batches per message ]
                 self._groups.stop()  # one batch per message from now on
                 self._prefetch_factor = self._batch_depth or self._prefetch_factor
             resend = verdict.resend

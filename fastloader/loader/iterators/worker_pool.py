@@ -300,14 +300,14 @@ class WorkerPoolIter(
             self._prefetch_factor = self._batch_depth = prefetch_depth(batch)
             self._groups.batch_bytes = batch_bytes(batch)
             self._fill()
-        elif self._groups.deciding:
+        elif self._groups.adapts:
             self._count_for_groups()
         return batch
 
     def _hand_out(self) -> Any:
         item = self._groups.pending.popleft()
         self._delivered += 1  # (a batch that failed counts too, as above)
-        if self._groups.deciding:
+        if self._groups.adapts:
             self._count_for_groups()
         if isinstance(item, ExceptionWrapper):
             item.reraise()

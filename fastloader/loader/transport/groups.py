@@ -110,7 +110,7 @@ class GroupPlan:
     of a group not yet handed out (NOTE [ Batches per message ])."""
 
     def __init__(self, allowed: bool) -> None:
-        self.deciding = allowed
+        self.adapts = allowed  # the size follows each epoch's timing (until a death)
         self.size = 1
         self.pending: deque = deque()  # batches (or ExceptionWrappers) still to hand out
         self._counted = 0
@@ -136,7 +136,7 @@ class GroupPlan:
 
     def stop(self) -> None:
         """One batch per message from now on (after a worker's death)."""
-        self.deciding = False
+        self.adapts = False
         self.size = 1
 
     def grow(self, first: Any, schedule: Any, number: int) -> Any:
