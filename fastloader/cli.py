@@ -193,6 +193,22 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 
 def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
+    if _inspects(parser, args):
+        return args
+    if args.dst is None:
+        parser.error(
+            "SRC and DST are required (or --info PACK)"
+            if hasattr(args, "info")
+            else "SRC and DST are required"
+        )
+    _check_pack_options(parser, args)
+    if (args.fields or args.image_field) and (args.src is None or os.path.isdir(args.src)):
+        parser.error("--fields and --image-field apply to an HDF5 file SRC")
+    return args
+
+
+def _inspects(parser: argparse.ArgumentParser, args: argparse.Namespace) -> bool:
+    """Whether the command is ``--info`` or ``--verify`` (checked: the pack alone)."""
     for flag in ("info", "verify"):
         if getattr(args, flag, None) is not None:
             if args.src is not None or args.dst is not None:
@@ -200,13 +216,12 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
             other = "verify" if flag == "info" else "info"
             if getattr(args, other, None) is not None:
                 parser.error("use --info or --verify, not both")
-            return args
-    if args.dst is None:
-        parser.error(
-            "SRC and DST are required (or --info PACK)"
-            if hasattr(args, "info")
-            else "SRC and DST are required"
-        )
+            return True
+    return False
+
+
+def _check_pack_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The packing options, by the library's checks, reported in the flags' words."""
     if args.quality is not None and args.store != "jpeg":
         parser.error("--quality applies to --store jpeg")
     from fastloader.packing.options import check_options  # the library's checks (no torch)
@@ -223,9 +238,6 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
         )
     except ValueError as error:  # in the flags' words: "--short-side must be ..."
         parser.error("--" + str(error).replace("_", "-"))
-    if (args.fields or args.image_field) and (args.src is None or os.path.isdir(args.src)):
-        parser.error("--fields and --image-field apply to an HDF5 file SRC")
-    return args
 
 
 def _one_line(error: BaseException) -> str:

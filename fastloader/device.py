@@ -132,25 +132,28 @@ def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(batch, list):
         return _rebuild(batch, [_map_tensors(item, fn) for item in batch], list)
     if isinstance(batch, Mapping):
-        if isinstance(batch, MutableMapping):
-            # A shallow copy keeps the mapping's type and its extras (a defaultdict's factory).
-            try:
-                clone = copy.copy(batch)
-                for key, value in batch.items():
-                    clone[key] = _map_tensors(value, fn)
-                return clone
-            except TypeError:
-                pass
-        mapped = {key: _map_tensors(value, fn) for key, value in batch.items()}
-        return _rebuild(batch, mapped, dict)
+        return _map_mapping(batch, fn)
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        changes = {
-            field.name: _map_tensors(getattr(batch, field.name), fn)
-            for field in dataclasses.fields(batch)
-            if field.init
-        }
-        return dataclasses.replace(batch, **changes)
+        fields = [field.name for field in dataclasses.fields(batch) if field.init]
+        return dataclasses.replace(
+            batch, **{name: _map_tensors(getattr(batch, name), fn) for name in fields}
+        )
     return batch
+
+
+def _map_mapping(batch: Mapping, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``_map_tensors`` of a mapping: a copy of its type where it can be made."""
+    if isinstance(batch, MutableMapping):
+        # A shallow copy keeps the mapping's type and its extras (a defaultdict's factory).
+        try:
+            clone = copy.copy(batch)
+            for key, value in batch.items():
+                clone[key] = _map_tensors(value, fn)
+            return clone
+        except TypeError:
+            pass
+    mapped = {key: _map_tensors(value, fn) for key, value in batch.items()}
+    return _rebuild(batch, mapped, dict)
 
 
 def _rebuild(original: Any, items: Any, fallback: type) -> Any:
@@ -164,12 +167,7 @@ def _rebuild(original: Any, items: Any, fallback: type) -> Any:
 
 def _tensor_leaves(batch: Any) -> list[torch.Tensor]:
     leaves: list[torch.Tensor] = []
-
-    def collect(tensor: torch.Tensor) -> torch.Tensor:
-        leaves.append(tensor)
-        return tensor
-
-    _map_tensors(batch, collect)
+    _map_tensors(batch, lambda tensor: leaves.append(tensor) or tensor)  # each leaf as it is
     return leaves
 
 

@@ -125,17 +125,23 @@ def describe_order(loader: Any) -> dict[str, Any]:
         return description
     sampler = loader.sampler
     description["epoch_length"] = _length(sampler)
+    description.update(_sampler_fields(loader, sampler))
+    return description
+
+
+def _sampler_fields(loader: Any, sampler: Any) -> dict[str, Any]:
+    """The fields of ``describe_order`` that the loader's sampler decides."""
     if isinstance(sampler, MIX_SAMPLERS):  # a Mix: one global order (sampling/mix_order.py)
         elastic = isinstance(sampler, ElasticDistributedSampler)
-        description.update(
+        return dict(
             sampler="mix",
             replacement=False,
             epoch_length=len(loader.dataset),
             world_size=sampler.num_replicas if elastic else 1,
             step=sampler.global_batch if elastic else (loader.batch_size or 1),
         )
-    elif isinstance(sampler, ElasticDistributedSampler):
-        description.update(
+    if isinstance(sampler, ElasticDistributedSampler):
+        return dict(
             sampler="shuffle" if sampler.shuffle else "sequential",
             shuffle=sampler.shuffle,
             replacement=False,
@@ -144,42 +150,45 @@ def describe_order(loader: Any) -> dict[str, Any]:
             step=sampler.global_batch,
             sampler_seed=sampler.seed,
         )
-    elif isinstance(sampler, BlockShuffleSampler):
-        description.update(
+    if isinstance(sampler, BlockShuffleSampler):
+        return dict(
             sampler=f"blocks {sampler.block_size}x{sampler.window}",
             shuffle=True,
             replacement=False,
             sampler_seed=sampler.seed,
         )
-    elif isinstance(sampler, EpochShuffleSampler):
-        description.update(
+    if isinstance(sampler, EpochShuffleSampler):
+        return dict(
             sampler="shuffle",
             shuffle=True,
             replacement=sampler.replacement,
             sampler_seed=sampler.seed,
         )
-    elif isinstance(sampler, DistributedSampler):
-        description.update(
+    if isinstance(sampler, DistributedSampler):
+        return dict(
             sampler="torch DistributedSampler (per-rank order)",
             shuffle=sampler.shuffle,
             world_size=sampler.num_replicas,
             rank=sampler.rank,
             sampler_seed=sampler.seed,
         )
-    elif type(sampler) is SequentialSampler:
-        description.update(sampler="sequential", shuffle=False, replacement=False)
-    elif isinstance(sampler, (list, tuple, range)):
+    return _plain_sampler_fields(sampler)
+
+
+def _plain_sampler_fields(sampler: Any) -> dict[str, Any]:
+    """``_sampler_fields`` of a sampler that is none of fastloader's or torch's distributed."""
+    if type(sampler) is SequentialSampler:
+        return dict(sampler="sequential", shuffle=False, replacement=False)
+    if isinstance(sampler, (list, tuple, range)):
         crc = zlib.crc32(repr(sampler if isinstance(sampler, range) else list(sampler)).encode())
-        description.update(sampler="indices", indices_crc=crc)
-    else:
-        # torch's RandomSampler (unless ours) and WeightedRandomSampler draw from hidden RNG
-        # state; a sampler with set_epoch is taken to depend only on the epoch, as for prefetch.
-        description.update(
-            sampler=_qualname(sampler),
-            shuffle=True if isinstance(sampler, RandomSampler) else None,
-            exact=callable(getattr(sampler, "set_epoch", None)),
-        )
-    return description
+        return dict(sampler="indices", indices_crc=crc)
+    # torch's RandomSampler (unless ours) and WeightedRandomSampler draw from hidden RNG
+    # state; a sampler with set_epoch is taken to depend only on the epoch, as for prefetch.
+    return dict(
+        sampler=_qualname(sampler),
+        shuffle=True if isinstance(sampler, RandomSampler) else None,
+        exact=callable(getattr(sampler, "set_epoch", None)),
+    )
 
 
 def _length(sized: Any) -> int | None:

@@ -7,7 +7,7 @@ Runs in the main process on every batch (``LoaderStats.record_batch``), so the c
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -38,24 +38,23 @@ def _first_tensor_len(batch: Any) -> int | None:
         return batch.size(0)  # a nested tensor has no .shape
     if isinstance(batch, (torch.Tensor, np.ndarray)):
         return batch.shape[0] if batch.ndim else 1
-    if isinstance(batch, (tuple, list)):
-        for item in batch:
-            if type(item) in SCALAR_TYPES:  # a list of numbers, strings: nothing to look into
-                continue
-            size = _first_tensor_len(item)
-            if size is not None:
-                return size
-    elif isinstance(batch, Mapping):
-        for item in batch.values():
-            size = _first_tensor_len(item)
-            if size is not None:
-                return size
-    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        for field in dataclasses.fields(batch):
-            size = _first_tensor_len(getattr(batch, field.name))
-            if size is not None:
-                return size
+    for item in _children(batch):
+        size = _first_tensor_len(item)
+        if size is not None:
+            return size
     return None
+
+
+def _children(batch: Any) -> Iterable[Any]:
+    """What ``_first_tensor_len`` looks into, in order: a container's items (none for a leaf)."""
+    if isinstance(batch, (tuple, list)):
+        # a list of numbers, strings: nothing to look into
+        return (item for item in batch if type(item) not in SCALAR_TYPES)
+    if isinstance(batch, Mapping):
+        return batch.values()
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return (getattr(batch, field.name) for field in dataclasses.fields(batch))
+    return ()
 
 
 def _first_list_len(batch: Any) -> int | None:
