@@ -17,7 +17,14 @@ and nothing else. Everything else reads it or calls one of its transitions:
   resume target, and return (epoch, position) for the iterator;
 - ``consumed_batch()`` and ``finished()`` — the iterator, as it hands out a batch (or its
   error) and when the epoch runs out;
-- ``position(step, length)`` — ``state_dict``: where the next unseen sample is.
+- ``position(step, length)`` — ``state_dict``: where the next unseen sample is;
+  ``next_unseen(step, length)`` — the same across epoch boundaries, for a ``Mix``'s weight
+  change (``DataLoader._mix_next_position``, ``_mix_replan``).
+
+It also keeps which indices each batch holds (NOTE [ Indices of a batch ]): ``due``, the
+queue of the indices of tasks the schedule has handed out (schedule.py appends and, when it
+starts an epoch again, clears them), and ``last``, the indices of the batch handed out last,
+moved from the queue by ``consumed_batch``.
 
 The seed has one owner too: the loader's ``seed`` attribute (a plain attribute, as every
 argument of the constructor is, so that Lightning rebuilds the loader with it). Only
@@ -29,6 +36,24 @@ The loader's public ``epoch`` attribute is a property over this object.
 """
 
 from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+# NOTE [ Indices of a batch ]
+#
+# ``loader.last_indices`` says which samples the batch just handed out holds, read in the main
+# process from the order itself, never sent by workers: every task the schedule hands out
+# (schedule.py: ``next_task``, one task per batch, the batches of a group each their own)
+# puts its indices on the cursor's ``due`` queue, and each batch handed out (or raised in its
+# place, ``consumed_batch``) takes the oldest. Batches reach the training loop in the order
+# their tasks were handed out, whichever worker loaded them, whether they travelled several to
+# a message, were loaded again after a worker's death, or were copied to the device ahead:
+# so the two queues stay in step. Whatever breaks that order restarts the schedule, which
+# clears ``due``: an epoch begun anew or at a resume position, a drain after an early break,
+# a Mix's weight change. Two cases have no such order, and the loader refuses them by name:
+# ``in_order=False`` with workers (batches handed out as they finish) and iterable datasets
+# (no indices). With ``distributed=True`` the indices are this rank's.
 
 
 class EpochCursor:
@@ -43,7 +68,7 @@ class EpochCursor:
         target: where the next iteration starts, if it is ``epoch``.
     """
 
-    __slots__ = ("epoch", "started", "complete", "start", "consumed", "target")
+    __slots__ = ("epoch", "started", "complete", "start", "consumed", "target", "due", "last")
 
     def __init__(self) -> None:
         self.epoch = 0
@@ -52,6 +77,8 @@ class EpochCursor:
         self.start = 0
         self.consumed = 0
         self.target = 0
+        self.due: deque = deque()  # indices of the tasks handed out, not yet consumed
+        self.last: Any = None  # the indices of the batch handed out last
 
     def jump_to(self, epoch: int) -> None:
         """The next iteration is ``epoch``, from its start (``loader.set_epoch``)."""
@@ -82,6 +109,7 @@ class EpochCursor:
             self.epoch = requested  # the user's own counter wins
             self.target = 0
         position, self.target = self.target, 0
+        self.last = None
         self.started = True
         self.start = position
         self.consumed = 0
@@ -97,6 +125,8 @@ class EpochCursor:
     def consumed_batch(self) -> None:
         """A batch (or the error raised in its place) was handed out."""
         self.consumed += 1
+        due = self.due
+        self.last = due.popleft() if due else None
 
     def finished(self) -> None:
         """The current iteration ran to the end of its epoch."""
@@ -109,3 +139,12 @@ class EpochCursor:
             return 0
         position = self.start + self.consumed * step
         return position if length is None else min(position, length)
+
+    def next_unseen(self, step: int, length: int | None) -> tuple[int, int, bool]:
+        """(epoch, position in it, whether an iteration is in its middle) of the next item the
+        training loop has not seen, as ``position`` counts, across epoch boundaries."""
+        if not self.started:
+            return self.epoch, self.target, False
+        if self.complete:
+            return self.epoch + 1, 0, False
+        return self.epoch, self.position(step, length), True

@@ -4,21 +4,23 @@ from __future__ import annotations
 
 import operator
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader as TorchDataLoader
-from torch.utils.data import DistributedSampler, IterableDataset
+from torch.utils.data import DistributedSampler
 
 from fastloader.loader import mixing
 from fastloader.loader.cursor import EpochCursor
 from fastloader.loader.iterators import SingleProcessIter, WorkerPoolIter
+from fastloader.loader.lazy_seeding import SeedingMemory
 from fastloader.loader.resume import build_state, resume_point
 from fastloader.loader.seeding import resolve_seed, resolve_seed_rngs
 from fastloader.loader.setup_warnings import DEFAULT_DEVICE_PREFETCH, check_device_arguments
 from fastloader.loader.state_checks import validate_state as check_state_fields
+from fastloader.sampling.choice import choose_sampler
 from fastloader.sampling.distributed import ElasticDistributedSampler
 from fastloader.sampling.samplers import (
     BlockShuffleSampler,
@@ -151,20 +153,16 @@ class DataLoader(TorchDataLoader[T_co]):
         )
         if resolved_device is not None and resolved_device.type == "cuda":
             pin_memory = True
-        is_map_style = not isinstance(dataset, IterableDataset)
-
-        sampler, shuffle = mixing.choose_sampler(  # a Mix: its own order (sampling/mix.py)
-            dataset, sampler, batch_sampler, distributed, shuffle, batch_size, drop_last, seed
+        sampler, shuffle = choose_sampler(  # NOTE [ Choosing the order ] in sampling/choice.py
+            dataset,
+            sampler,
+            batch_sampler,
+            shuffle=shuffle,
+            distributed=distributed,
+            batch_size=batch_size,
+            drop_last=drop_last,
+            seed=seed,
         )
-        if distributed:
-            sampler = _distributed_sampler(
-                dataset, shuffle, sampler, batch_sampler, seed, drop_last, batch_size
-            )
-            shuffle = None
-        elif shuffle and is_map_style and sampler is None and batch_sampler is None:
-            sampler = EpochShuffleSampler(dataset, seed)
-            shuffle = None
-
         if collate_fn is None and (batch_size is not None or batch_sampler is not None):
             from fastloader.datasets.collate import (
                 default_collate,  # names ragged fields in its error
@@ -206,6 +204,8 @@ class DataLoader(TorchDataLoader[T_co]):
         self._epoch_requests = _record_set_epoch_calls(self)
         self._resolved_device = resolved_device
         self._pool: WorkerPoolIter | None = None
+        self._epoch_iter: Any = None  # a weak reference to the iterator of the current epoch
+        self._seeding_memory = SeedingMemory()  # what seeding learns of the dataset (seeding.py)
         if hasattr(dataset, "attach") and isinstance(self.sampler, mixing.MIX_SAMPLERS):
             dataset.attach(self)  # weight changes take effect at this loader's position
 
@@ -266,8 +266,9 @@ class DataLoader(TorchDataLoader[T_co]):
         pids = source.worker_pids if self.num_workers else [os.getpid()]
         busy = getattr(source, "busy_seconds", None)
         self.stats.watch_workers(self.num_workers, busy, pids, loader_settings(self))
-        if isinstance(self.sampler, mixing.MIX_SAMPLERS):
-            mixing.count_sources(self, source, epoch, skip)
+        self._epoch_iter = weakref.ref(source)
+        if isinstance(self.sampler, mixing.MIX_SAMPLERS) and self.stats.current is not None:
+            self.stats.current.source_counts = mixing.source_counter(self, epoch, skip)
         self.stats.iter_done(epoch_length(self, skip))  # time in iter() is a wait for data
         return source
 
@@ -327,7 +328,7 @@ class DataLoader(TorchDataLoader[T_co]):
         the state resumes a loader with another ``batch_size``, ``num_workers`` or world size.
         See NOTE [ Resume is exact or refused ] in ``loader/resume.py``.
         """
-        return build_state(self)
+        return build_state(self, self._cursor)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``: the next iteration yields exactly the samples still due.
@@ -342,7 +343,7 @@ class DataLoader(TorchDataLoader[T_co]):
                 resumed exactly by this loader (naming the field that differs).
         """
         check_state_fields(state)  # every field first, the mix's included
-        apply_mix = mixing.prepare_resume(self, state)  # NOTE [ Resuming a mix whose ...
+        apply_mix = mixing.prepare_resume(self.dataset, state)  # NOTE [ Resuming a mix whose ...
         epoch, position = resume_point(state, self)
         if apply_mix is not None:
             apply_mix()
@@ -355,13 +356,40 @@ class DataLoader(TorchDataLoader[T_co]):
         self._take_epoch_request()  # the state is newer than any earlier sampler.set_epoch
         self._cursor.resume_at(epoch, position)
 
+    # -- what a Mix calls (NOTE [ Weight changes ] in sampling/mix.py) ---------------------
+
     def _mix_next_position(self) -> int:
-        """A ``Mix``'s next unseen global position (NOTE [ Weight changes ])."""
-        return mixing.next_position(self)
+        """The global position of the mixed stream that the training loop sees next.
+
+        Raises:
+            ValueError: in the middle of an epoch with ``device=``: batches already copied to
+                the device ahead cannot be taken back.
+        """
+        epoch, position, mid_epoch = self._next_unseen()
+        if mid_epoch and self._resolved_device is not None:
+            raise ValueError(
+                "cannot change a Mix's weights in the middle of an epoch with device=: batches "
+                "are already on the device; change them between epochs or use a schedule"
+            )
+        return epoch * len(self.dataset) + position
 
     def _mix_replan(self) -> None:
-        """Reload from the next unseen position after a ``Mix``'s weights changed."""
-        mixing.replan(self)
+        """Drop what was loaded ahead with a ``Mix``'s old weights; load again from the next
+        unseen position. Workers keep running (in-flight batches are drained)."""
+        epoch, position, mid_epoch = self._next_unseen()
+        if mid_epoch:
+            iterator = self._epoch_iter() if self._epoch_iter is not None else None
+        else:  # between epochs: a persistent pool may have started the next one
+            iterator, position = self._pool, 0
+        if iterator is None:
+            return  # the next iteration draws its order afresh
+        iterator.begin_epoch(self, epoch, position)
+        if mid_epoch:
+            self._cursor.restart_at(position)
+
+    def _next_unseen(self) -> tuple[int, int, bool]:
+        step = mixing.mix_step(self.sampler, self.batch_size)
+        return self._cursor.next_unseen(step, len(self.dataset))
 
     def _seed_samplers(self, order_seed: int, recorded_seed: int | None) -> None:
         """Give the samplers that draw the order from a seed the order's seed.
@@ -401,35 +429,3 @@ def _record_set_epoch_calls(loader: DataLoader) -> list[RecordedSetEpoch]:
             recorder.requested = epoch  # set_epoch called before the loader was made
         recorders.append(recorder)
     return recorders
-
-
-def _distributed_sampler(
-    dataset: Any,
-    shuffle: Any,
-    sampler: Any,
-    batch_sampler: Any,
-    seed: int,
-    drop_last: bool,
-    batch_size: int | None = 1,
-) -> DistributedSampler:
-    if isinstance(sampler, ElasticDistributedSampler):
-        if sampler.batch_size != (batch_size or 1):
-            raise ValueError(
-                f"the ElasticDistributedSampler splits global batches of batch_size "
-                f"{sampler.batch_size} per rank, but the loader's batch_size is {batch_size}"
-            )
-        return sampler
-    if isinstance(sampler, DistributedSampler):
-        return sampler
-    if sampler is not None or batch_sampler is not None:
-        raise ValueError("distributed=True chooses the sampler: do not pass sampler/batch_sampler")
-    if isinstance(dataset, IterableDataset):
-        raise ValueError("distributed=True needs a map-style dataset, got an IterableDataset")
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            "distributed=True needs an initialised torch.distributed process group "
-            "(call torch.distributed.init_process_group first, or run under torchrun)"
-        )
-    return ElasticDistributedSampler(
-        dataset, batch_size or 1, shuffle=bool(shuffle), seed=seed, drop_last=drop_last
-    )

@@ -198,11 +198,11 @@ def _length(sized: Any) -> int | None:
         return None
 
 
-def build_state(loader: Any) -> dict[str, Any]:
-    """The loader's state: JSON-able, its size O(1) in the dataset size (building it is O(1)
-    too, except for a list or tuple of indices as the sampler, which is hashed: O(its length))."""
+def build_state(loader: Any, cursor: Any) -> dict[str, Any]:
+    """The state of ``loader``, whose ``cursor`` (NOTE [ The epoch cursor ] in loader/cursor.py)
+    says where it is: JSON-able, its size O(1) in the dataset size (building it is O(1) too,
+    except for a list or tuple of indices as the sampler, which is hashed: O(its length))."""
     description = describe_order(loader)
-    cursor = loader._cursor  # NOTE [ The epoch cursor ] in loader/cursor.py
     started = cursor.started
     position = cursor.position(description["step"], description["epoch_length"])
     order = {key: description[key] for key in _ORDER_FIELDS}

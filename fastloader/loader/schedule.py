@@ -25,6 +25,7 @@ again at every epoch's start.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -68,6 +69,9 @@ class EpochSchedule:
     epoch ``e`` when it counts from ``skip`` for the started epoch (and from 0 for the epochs
     after it): ``skip`` plus the number of tasks of the epoch sent from there.
 
+    Each task's indices also go on ``due`` (the loader's cursor's queue: NOTE [ Indices of a
+    batch ] in loader/cursor.py), which ``start`` clears.
+
     It holds no reference to the loader, so a loader and its workers can be collected.
     """
 
@@ -77,7 +81,9 @@ class EpochSchedule:
         set_epoch: Callable[[int], None],
         may_cross: bool,
         batched: bool = True,
+        due: deque | None = None,
     ):
+        self.due = deque() if due is None else due
         self._index_sampler = index_sampler
         self._set_epoch = set_epoch
         self._batched = batched
@@ -90,6 +96,7 @@ class EpochSchedule:
 
     def start(self, epoch: int, skip: int = 0) -> None:
         """Send tasks of ``epoch`` from position ``skip`` on, dropping anything pending."""
+        self.due.clear()
         self._open(epoch, skip)
 
     def _open(self, epoch: int, skip: int = 0) -> None:
@@ -130,4 +137,6 @@ class EpochSchedule:
             self._open(self.epoch + 1)
             if self._next is _END:
                 raise StopIteration
-        return Task(self.epoch, self._advance(), number)
+        indices = self._advance()
+        self.due.append(indices)
+        return Task(self.epoch, indices, number)

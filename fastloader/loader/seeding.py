@@ -72,17 +72,25 @@ SEED_RNGS_MODES = ("auto", "always", "never")
 
 def seeding_options(loader: Any) -> dict[str, Any]:
     """What a loader's ``SeededDataset`` needs to know beyond its seed (for the iterators)."""
-    memory = getattr(loader, "_seeding_memory", None)
-    if memory is None:  # what the loader learns of its dataset: NOTE [ Lazy seeding ]
-        memory = loader._seeding_memory = SeedingMemory()
     return {
         "seed_rngs": loader.seed_rngs,
-        # the default collate_fns draw nothing: no need to seed for them (NOTE [ Lazy seeding ])
-        "collate_may_draw": all(loader.collate_fn is not fn for fn in collate.DEFAULT_COLLATES),
-        "memory": memory,
+        # a collate that draws nothing needs no seeding (NOTE [ Lazy seeding ]), and its
+        # batches may travel several to a message (NOTE [ Batches per message ])
+        "collate_may_draw": not collate_draws_nothing(loader.collate_fn),
+        # what the loader learns of its dataset; the loader's, made with it
+        "memory": loader._seeding_memory,
         # the collate that takes a batch read by columns: NOTE [ Batches read by columns ]
         "columns": loader.collate_fn is collate.default_collate,
     }
+
+
+def collate_draws_nothing(collate_fn: Any) -> bool:
+    """Whether ``collate_fn`` draws no random numbers: the default collates (torch's and
+    fastloader's), and a collate that says so with ``draws_nothing = True`` (a ``Mix``'s
+    ``MixCollate`` over the default). Anything else may draw."""
+    if any(collate_fn is fn for fn in collate.DEFAULT_COLLATES):
+        return True
+    return getattr(collate_fn, "draws_nothing", False) is True
 
 
 def batch_reader(dataset: Any) -> tuple[Any, list]:

@@ -241,6 +241,15 @@ class Mix(Dataset):
         if self.seed is None:
             self.use_seed(loader.seed)
 
+    def loader_sampler(
+        self, *, distributed: bool, shuffle: Any, batch_size: int | None, drop_last: bool, seed: int
+    ) -> MixSampler | ElasticMixSampler:
+        """The sampler a loader reads this Mix with (``OwnOrder``, NOTE [ Choosing the order ]
+        in sampling/choice.py); the loader's ``seed`` is the order's when the Mix has none."""
+        if self.seed is None:
+            self.use_seed(seed)
+        return mix_sampler(self, distributed, shuffle, batch_size, drop_last)
+
     def set_weights(self, weights: Mapping[str, float], at: int | None = None) -> int:
         """Change the weights from the next sample the training loop has not seen.
 

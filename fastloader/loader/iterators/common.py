@@ -59,7 +59,8 @@ def schedule_for(loader: Any, may_cross: bool) -> EpochSchedule:
 
     samplers = samplers_with_set_epoch(loader)
     batched = loader.batch_sampler is not None
-    return EpochSchedule(loader._index_sampler, set_epoch, may_cross, batched)
+    due = loader._cursor.due  # NOTE [ Indices of a batch ] in loader/cursor.py
+    return EpochSchedule(loader._index_sampler, set_epoch, may_cross, batched, due)
 
 
 class SeededDatasetMixin:
@@ -247,6 +248,11 @@ class SingleProcessIter(SeededDatasetMixin, LoaderIterMixin, _SingleProcessDataL
         # (saving them only for batches that seed), or the states are swapped around each batch
         self._swaps = not (isinstance(dataset, SeededDataset) and dataset.keep_training_states())
         self._bind(loader)
+
+    def begin_epoch(self, loader: Any, epoch: int, skip: int = 0) -> None:
+        """Load ``epoch`` from position ``skip`` on (a ``Mix``'s weights changed mid-epoch,
+        NOTE [ Weight changes ]): one process loads no further ahead than its schedule."""
+        self._schedule.start(epoch, skip)
 
     def _next_index(self) -> Any:
         index = super()._next_index()
