@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from fastloader import DataLoader
+from fastloader import DataLoader, Mix
 from fastloader.loader.transport import groups
 
 SCENARIOS = os.path.join(os.path.dirname(__file__), "_group_scenarios.py")
@@ -138,6 +138,25 @@ def test_a_users_collate_or_prefetch_factor_keeps_one_batch_per_message(kwargs):
         assert len(list(loader)) == 200
     assert loader._iterator._groups.size == 1
     loader.close()
+
+
+def test_a_mix_of_cheap_sources_travels_in_groups_with_the_same_batches():
+    # a Mix's collate (MixCollate over the default) draws nothing: its batches may be grouped
+    def mix() -> Mix:
+        sources = {"a": Records(500), "b": Records(300)}
+        return Mix(sources, weights={"a": 0.6, "b": 0.4})
+
+    def rows(batch) -> list:
+        x, i = batch.sample["x"][:, 0].tolist(), batch.sample["i"].tolist()
+        return list(zip(batch.source, batch.index.tolist(), x, i, strict=True))
+
+    grouped = DataLoader(mix(), batch_size=4, seed=5, num_workers=2)
+    alone = DataLoader(mix(), batch_size=4, seed=5)
+    epochs = [[row for batch in grouped for row in rows(batch)] for _ in range(2)]
+    assert grouped._iterator._groups.size == groups.MAX_GROUP
+    for epoch in epochs:
+        assert epoch == [row for batch in alone for row in rows(batch)]
+    grouped.close()
 
 
 def _scenario(name: str) -> dict:

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch.utils.data import DataLoader as TorchDataLoader
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DistributedSampler, IterableDataset
 
 from fastloader.loader import mixing
 from fastloader.loader.cursor import EpochCursor
@@ -290,6 +290,31 @@ class DataLoader(TorchDataLoader[T_co]):
         else:
             pool.begin_epoch(self, epoch, skip)
         return pool
+
+    @property
+    def last_indices(self) -> Any:
+        """Which samples the batch handed out last holds (NOTE [ Indices of a batch ]).
+
+        The indices into ``dataset`` the sampler gave for it, in the batch's order: a list
+        (this rank's with ``distributed=True``; a batch sampler's own list), one index with
+        ``batch_size=None``, and for a ``Mix`` ``(source name, index in that source)`` pairs.
+        Correct with workers, batches travelling several to a message, ``device=``, and after
+        ``load_state_dict``. A batch whose loading raised counts: in the ``except`` the
+        indices are those of the batch that failed. None before an iteration's first batch.
+
+        Raises:
+            ValueError: for an iterable dataset (it has no indices), and with
+                ``in_order=False`` and workers (batches are handed out as they finish).
+        """
+        if isinstance(self.dataset, IterableDataset):
+            raise ValueError("last_indices: an IterableDataset has no indices")
+        if not self.in_order and self.num_workers:
+            raise ValueError(
+                "last_indices needs in_order=True with workers: with in_order=False batches "
+                "are handed out as they finish, not in the order's sequence"
+            )
+        last = self._cursor.last
+        return None if last is None else mixing.readable_indices(self.dataset, last)
 
     @property
     def worker_pids(self) -> list[int]:

@@ -29,6 +29,7 @@ __all__ = [
     "collate_for",
     "mix_step",
     "prepare_resume",
+    "readable_indices",
     "source_counter",
     "source_indices",
 ]
@@ -69,6 +70,14 @@ def source_indices(mix: Mix, codes: Any) -> Any:
     index = rest - order.offsets[source]
     pairs = [(order.names[s], i) for s, i in zip(source.tolist(), index.tolist(), strict=True)]
     return pairs[0] if single else pairs
+
+
+def readable_indices(dataset: Any, indices: Any) -> Any:
+    """A batch's indices as ``loader.last_indices`` gives them: a copy of the sampler's list
+    (or its one index), for a ``Mix`` its ``(source, index)`` pairs (``source_indices``)."""
+    if isinstance(dataset, Mix):
+        return source_indices(dataset, indices)
+    return list(indices) if isinstance(indices, list) else indices
 
 
 def prepare_resume(dataset: Any, state: dict[str, Any]) -> Any:
