@@ -30,6 +30,8 @@ def _rows(loader, batches=None):
     """Each batch as a list of rows [index, numpy, random, torch draws]."""
     taken = []
     for values, _ in loader:
+        # loader.last_indices names this rank's samples (NOTE [ Indices of a batch ])
+        assert loader.last_indices == values[:, 0].long().tolist(), loader.last_indices
         taken.append(values.tolist())
         if batches is not None and len(taken) == batches:
             break

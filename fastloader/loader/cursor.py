@@ -11,7 +11,7 @@ and nothing else. Everything else reads it or calls one of its transitions:
 - ``resume_at(epoch, position)`` — ``load_state_dict``: the next iteration is ``epoch``, from
   ``position`` (in the unit of ``_resume.describe_order``);
 - ``restart_at(position)`` — a ``Mix``'s weights changed mid-epoch: the current iteration
-  goes on from ``position``, what was loaded ahead is loaded again (loader/mixing.py);
+  goes on from ``position``, what was loaded ahead is loaded again (``DataLoader._mix_replan``);
 - ``begin(requested)`` — ``iter(loader)``: move to the next epoch (or the user's
   ``sampler.set_epoch`` value, NOTE [ A user's set_epoch wins ] in samplers.py), take the
   resume target, and return (epoch, position) for the iterator;

@@ -1,6 +1,7 @@
 """Which samples, in which order: samplers whose order is a function of (seed, epoch).
 
 ``seeds.py`` (the pure seed derivations every order and every sample's RNGs start from),
+``choice.py`` (which sampler a loader reads its dataset with: NOTE [ Choosing the order ]),
 ``samplers.py`` (shuffles and block shuffles by (seed, epoch)), ``distributed.py``
 (NOTE [ Global order ]: one global order cut across ranks, exactly-once evaluation), and
 weighted mixing of named sources: ``mix.py`` (``Mix``, the dataset, and NOTE [ Weight

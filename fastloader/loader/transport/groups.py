@@ -16,7 +16,8 @@ epoch as one task (pose batches of 64 with 2 workers: 1.06-1.17x the in-process 
 benchmarks/results/transport-groups-full.md):
 
 * **When.** Only with the slot transport, a map-style dataset with batches (``batch_size`` or a
-  batch sampler), the default collate (it draws nothing, so collating after the group's last
+  batch sampler), a collate that draws nothing (the default, or a ``Mix``'s over it:
+  ``collate_draws_nothing`` in loader/seeding.py; so collating after the group's last
   batch is loaded gives each batch what it gave alone), and the prefetch depth left to
   fastloader (a ``prefetch_factor`` the user gives counts batches in flight, as with torch).
   A pool starts with one batch per message. In every epoch of at least ``DECIDE_AT``
