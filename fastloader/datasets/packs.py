@@ -139,6 +139,21 @@ class PackedDataset(PackFile, Dataset):
             label = self.target_transform(label)
         return image, label
 
+    def pil_images_advice(self) -> str:
+        """What turns this pack's PIL images into arrays or tensors, for the collate's error
+        (NOTE [ Advice that fits the dataset ] in collate.py)."""
+        name = type(self).__name__
+        if self.decode != "pil":  # the images came from the transform
+            return (
+                f"this {name}'s transform returns PIL images: end it with "
+                "fastloader.transforms.PILToTensor()"
+            )
+        return (
+            f"a pack decodes images to PIL by default (decode='pil'): read it with "
+            f"{name}(..., decode='numpy') (HxWxC uint8 arrays) or decode='tensor' (CxHxW "
+            "uint8 tensors), or end its transform with fastloader.transforms.PILToTensor()"
+        )
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}({str(self.path)!r}, {len(self)} samples, "

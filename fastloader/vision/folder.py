@@ -132,6 +132,20 @@ class ImageFolder(Dataset):
             label = self.target_transform(label)
         return image, label
 
+    def pil_images_advice(self) -> str:
+        """What turns these PIL images into tensors, for the collate's error (NOTE [ Advice
+        that fits the dataset ] in fastloader/datasets/collate.py)."""
+        if self.transform is None:
+            return (
+                "fastloader.ImageFolder gives PIL images, as torchvision's: pass a transform "
+                "ending in fastloader.transforms.PILToTensor() (uint8 CxHxW; crops and resizes "
+                "before it are fused with decoding) or torchvision's ToTensor()"
+            )
+        return (
+            "this ImageFolder's transform returns PIL images: end it with "
+            "fastloader.transforms.PILToTensor() (or torchvision's ToTensor())"
+        )
+
     def __repr__(self) -> str:
         return (
             f"ImageFolder({self.root!r}, {len(self)} samples, {len(self.classes)} classes, "
