@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from fastloader.loader.resume import MIX_SAMPLERS
+from fastloader.loader.setup_warnings import warn_if_shuffle_on_mix
 from fastloader.sampling.mix import Mix, MixSample, mix_sampler
 from fastloader.sampling.mix_samplers import ElasticMixSampler
 
@@ -45,6 +46,7 @@ def choose_sampler(
     gets its own (``shuffle`` passed on: it only picks the padding rule when distributed)."""
     if not isinstance(dataset, Mix) or sampler is not None or batch_sampler is not None:
         return sampler, shuffle
+    warn_if_shuffle_on_mix(shuffle, distributed, dataset.shuffle)  # its order wins
     if dataset.seed is None:
         dataset.use_seed(seed)
     return mix_sampler(dataset, distributed, shuffle, batch_size, drop_last), None
