@@ -66,6 +66,8 @@ class PackedDataset(PackFile, Dataset):
         self.transform = transform
         self.target_transform = target_transform
         self.decode = decode
+        if decode != "bytes":
+            fuse(transform)  # planned here, so that the main process warns if on Pillow
         self.sample_transform = sample_transform
         self.with_geometry = with_geometry  # NOTE [ Crop box and flip ] in field_samples.py
         with _image_folder_hint(path, self.backend):

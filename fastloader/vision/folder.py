@@ -63,6 +63,8 @@ class ImageFolder(Dataset):
         self.transform = transform
         self.target_transform = target_transform
         self.loader = loader
+        if loader is None:
+            fuse(transform)  # planned here, so that the main process warns if on Pillow
         self.classes, self.class_to_idx = self.find_classes(self.root)
         paths, targets = _scan(self.root, self.class_to_idx, is_valid_file, allow_empty)
         encoded = [os.fsencode(path) for path in paths]
