@@ -64,7 +64,6 @@ from fastloader.formats.hdf5_heap import HEAP_ID_SIZE, check_heap_ids
 from fastloader.formats.mapped_rows import MappedRows
 from fastloader.formats.packfile import ForkSafeFile, check_file, file_identity, sample_row
 from fastloader.formats.records import PackError
-from fastloader.formats.signatures import not_hdf5_hint
 
 __all__ = ["HDF5File"]
 
@@ -94,8 +93,7 @@ class _Handle:
         try:
             self.file = h5py.File(path, "r")
         except Exception as error:  # noqa: BLE001 - a damaged file may make h5py raise anything
-            problem = not_hdf5_hint(path) or f"not a readable HDF5 file ({_short(error)})"
-            raise PackError(f"{path}: {problem}") from None
+            raise PackError(f"{path}: not a readable HDF5 file ({_short(error)})") from None
         with open(path, "rb") as opened:
             self.map = mmap.mmap(opened.fileno(), size, access=mmap.ACCESS_READ)
         self.datasets: dict[str, h5py.Dataset] = {}
