@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from _images import ImageDataset, make_image_folder
+from torch.utils.data import Subset
 
 from fastloader import DataLoader, ImageFolder, LMDBDataset, pack
 from fastloader.datasets.collate import PILImagesError, default_collate
@@ -41,6 +42,8 @@ def test_an_image_folder_names_a_transform_not_decode(folder, workers):
     assert "fastloader.ImageFolder gives PIL images" in message
     assert "pass a transform ending in fastloader.transforms.PILToTensor()" in message
     assert "decode=" not in message  # ImageFolder has no decode=
+    split = Subset(ImageFolder(folder), range(4))  # a split of it: the same advice
+    assert "pass a transform ending in" in first_batch_error(split, workers)
     message = first_batch_error(ImageFolder(folder, transform=Resize(8)), workers)
     assert "this ImageFolder's transform returns PIL images: end it with" in message
     batch = next(iter(DataLoader(ImageFolder(folder, Compose([Resize((8, 8)), PILToTensor()])))))

@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
+from torch.utils.data import Subset, get_worker_info
 from torch.utils.data import default_collate as torch_default_collate
-from torch.utils.data import get_worker_info
 
 from fastloader.datasets.columns import ColumnBatch
 from fastloader.formats.mapped_rows import MappedRows, gathered
@@ -89,6 +89,8 @@ class PILImagesError(TypeError):
 def images_advice(dataset: Any) -> str:
     """What turns ``dataset``'s PIL images into arrays or tensors: its own
     ``pil_images_advice()``, or advice for any dataset."""
+    while isinstance(dataset, Subset):  # a split of a pack or ImageFolder: the same advice
+        dataset = dataset.dataset
     advice = getattr(dataset, "pil_images_advice", None)
     if callable(advice):
         return advice()
