@@ -357,5 +357,7 @@ def test_a_pack_of_a_pose_file_read_as_pil_says_which_decode_gives_arrays(pose, 
 
 def test_an_image_label_pack_without_a_transform_names_decode_too(tmp_path):
     pack(ImageDataset(), tmp_path / "images.lmdb", workers=0)
-    with pytest.raises(TypeError, match=r"field '0'.*decode='tensor'.*PILToTensor"):
+    with pytest.raises(
+        TypeError, match=r"element 0 of each sample \(a tuple\).*decode='tensor'.*PILToTensor"
+    ):
         next(iter(DataLoader(LMDBDataset(tmp_path / "images.lmdb"), batch_size=2)))

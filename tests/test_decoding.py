@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -222,3 +225,52 @@ def test_truncated_jpegs_are_refused_not_filled_in():
         torch.manual_seed(seed)
         with pytest.raises(OSError, match="plain decoder"):
             decoding.fuse(TRAIN).apply_encoded(cut, decode_plain, "pil")
+
+
+def test_fused_decoding_on_pillow_warns_once_naming_the_fast_extra(folder, monkeypatch):
+    monkeypatch.setattr(decoding, "BACKEND", "pillow")  # as without OpenCV
+    monkeypatch.setattr(decoding, "_fallback_warned", [])
+    monkeypatch.setattr(decoding, "_CACHE", {})
+    with pytest.warns(decoding.PillowFallbackWarning, match=r"install fastloader\[fast\]"):
+        dataset = ImageFolder(folder, TRAIN)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dataset[0]
+        ImageFolder(folder, EVAL)[0]  # another transform, the same process: once
+        ImageFolder(folder, Plain(TRAIN))[0]  # nothing fused: nothing to say
+    monkeypatch.setattr(decoding, "BACKEND", "simplejpeg")
+    monkeypatch.setattr(decoding, "_fallback_warned", [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ImageFolder(folder, T.Compose([T.Resize(50), T.PILToTensor()]))[0]
+
+
+def test_a_missing_opencv_is_named_once_per_process(folder):
+    """A fresh interpreter in which ``import cv2`` fails, as where the extra is not installed."""
+    script = f"""
+import sys, warnings
+sys.modules["cv2"] = None  # import cv2 raises ImportError
+warnings.simplefilter("always")
+from fastloader import DataLoader, ImageFolder, transforms as T
+from fastloader.vision import decoding
+assert decoding.BACKEND == "pillow"
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    train = T.Compose([T.RandomResizedCrop(32), T.PILToTensor()])
+    batch = next(iter(DataLoader(ImageFolder({str(folder)!r}, train), batch_size=2)))
+    ImageFolder({str(folder)!r}, T.Compose([T.Resize(40), T.PILToTensor()]))[0]
+print(tuple(batch[0].shape))
+for warning in caught:
+    print(type(warning.message).__name__, warning.message)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "(2, 3, 32, 32)"  # fused decoding still works, on Pillow
+    fallbacks = [line for line in lines[1:] if line.startswith("PillowFallbackWarning")]
+    assert fallbacks == [
+        "PillowFallbackWarning fastloader: OpenCV (cv2) is not installed, so fused decoding "
+        "runs on Pillow, slower: pip install fastloader[fast]"
+    ]

@@ -111,3 +111,20 @@ def test_arguments_that_take_effect_warn_nothing() -> None:
         DataLoader(_data(8), batch_size=4, pin_memory=False, device_prefetch=2)
         if torch.accelerator.is_available():
             DataLoader(_data(8), batch_size=4, pin_memory=True)
+
+
+def test_shuffle_on_a_mix_is_named_once_with_the_reason() -> None:
+    from fastloader import Mix
+    from fastloader.loader.setup_warnings import warn_if_shuffle_on_mix
+
+    mix = Mix({"a": _data(10), "b": _data(5)}, seed=1)
+    with pytest.warns(IneffectiveArgumentWarning, match=r"shuffle=True has no effect on a Mix"):
+        loader = DataLoader(mix, batch_size=5, shuffle=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        read = [(batch.source, batch.index.tolist()) for batch in loader]  # no more warnings
+        plain = DataLoader(mix, batch_size=5)
+        assert read == [(batch.source, batch.index.tolist()) for batch in plain]  # mix's order
+        warn_if_shuffle_on_mix(True, True, mix)  # it picks padding
+    with pytest.warns(IneffectiveArgumentWarning, match=r"this one reads each source in order"):
+        DataLoader(Mix({"a": _data(10)}, shuffle=False), batch_size=5, shuffle=True)

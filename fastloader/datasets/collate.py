@@ -13,8 +13,9 @@ gives the two usual answers, as ``collate_fn``\\ s for any DataLoader:
 
 ``default_collate`` is torch's, except that a batch it cannot stack raises a ``RuntimeError``
 naming the field and the shapes met, and pointing here (and a field of PIL images, a
-``TypeError`` naming the ``decode=`` that gives arrays or tensors); fastloader.DataLoader uses
-it when no ``collate_fn`` is given (NOTE [ Naming ragged fields ]).
+``PILImagesError`` naming where the images are and what converts them for the dataset at
+hand: NOTE [ Advice that fits the dataset ]); fastloader.DataLoader uses it when no
+``collate_fn`` is given (NOTE [ Naming ragged fields ]).
 
 NOTE [ Naming ragged fields ]
 torch's error for a ragged field is "stack expects each tensor to be equal size, but got
@@ -32,17 +33,72 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
+from torch.utils.data import Subset, get_worker_info
 from torch.utils.data import default_collate as torch_default_collate
-from torch.utils.data import get_worker_info
 
 from fastloader.datasets.columns import ColumnBatch
 from fastloader.formats.mapped_rows import MappedRows, gathered
 
-__all__ = ["RaggedFieldError", "default_collate", "pad_ragged", "ragged_as_lists"]
+__all__ = [
+    "PILImagesError",
+    "RaggedFieldError",
+    "default_collate",
+    "images_advice",
+    "pad_ragged",
+    "ragged_as_lists",
+]
 
 
 class RaggedFieldError(RuntimeError):
     """A batch has fields of different shapes that cannot be stacked (the message names them)."""
+
+
+# NOTE [ Advice that fits the dataset ]
+# No collate can stack PIL images, and what turns them into arrays or tensors depends on the
+# dataset: a pack's decode=, ImageFolder's transform, a user's own __getitem__. A dataset says
+# what applies to it through a method, ``pil_images_advice() -> str`` (packs and ImageFolder
+# have one; ``images_advice`` gives the general advice for any other dataset). The collate is
+# handed only the batch, so the dataset is found where it runs:
+# - in a worker, ``get_worker_info().dataset`` (fastloader points it at the user's dataset):
+#   the error leaves the worker complete;
+# - in the main process there is no such handle, so the error is raised with the general
+#   advice and ``dataset_known=False``; fastloader.DataLoader's iterator, which the error
+#   passes through, calls ``for_dataset(loader.dataset)`` to put the dataset's advice in its
+#   place. Only on the error path: a batch that stacks pays nothing.
+class PILImagesError(TypeError):
+    """A batch holds PIL images, which no collate can stack: the message says where they are
+    in each sample and what converts them (NOTE [ Advice that fits the dataset ])."""
+
+    what = ""  # where the images are; "" when torch re-raised a worker's error from its text
+    dataset_known = True
+
+    @classmethod
+    def about(cls, what: str, dataset: Any, dataset_known: bool) -> PILImagesError:
+        """The error for images at ``what``, with the advice for ``dataset`` (None: any)."""
+        error = cls(f"{what}; {images_advice(dataset)}")
+        error.what, error.dataset_known = what, dataset_known
+        return error
+
+    def for_dataset(self, dataset: Any) -> None:
+        """Put ``dataset``'s advice in the message, if it was raised without it."""
+        if self.what and not self.dataset_known:
+            self.args = (f"{self.what}; {images_advice(dataset)}",)
+            self.dataset_known = True
+
+
+def images_advice(dataset: Any) -> str:
+    """What turns ``dataset``'s PIL images into arrays or tensors: its own
+    ``pil_images_advice()``, or advice for any dataset."""
+    while isinstance(dataset, Subset):  # a split of a pack or ImageFolder: the same advice
+        dataset = dataset.dataset
+    advice = getattr(dataset, "pil_images_advice", None)
+    if callable(advice):
+        return advice()
+    return (
+        "convert them in the dataset's __getitem__ or its transform (to a uint8 CxHxW tensor "
+        "with fastloader.transforms.PILToTensor() or torchvision's pil_to_tensor, or to an "
+        "HxWxC array with numpy.asarray), or pass a collate_fn that handles them"
+    )
 
 
 def default_collate(batch: Sequence[Any]) -> Any:
@@ -53,7 +109,8 @@ def default_collate(batch: Sequence[Any]) -> Any:
 
     Raises:
         RaggedFieldError: when a field's arrays differ in shape across the batch.
-        TypeError: as torch's, naming ``decode=`` when a field holds PIL images.
+        TypeError: as torch's; a ``PILImagesError`` (a TypeError) when a field holds PIL
+            images, naming it and what converts them.
     """
     if type(batch) is ColumnBatch:  # NOTE [ Batches read by columns ]
         return _collate_columns(batch)
@@ -65,7 +122,11 @@ def default_collate(batch: Sequence[Any]) -> Any:
         images = [name for name, values in _columns(batch).items() if _all_images(values)]
         if not images:
             raise
-        raise TypeError(_images_message(images)) from error
+        info = get_worker_info()  # NOTE [ Advice that fits the dataset ]
+        dataset = info.dataset if info is not None else None
+        raise PILImagesError.about(
+            _where_images(batch, images), dataset, info is not None
+        ) from error
     except RuntimeError as error:
         ragged = _ragged_fields(batch)
         if not ragged:
@@ -338,16 +399,18 @@ def _all_images(values: list) -> bool:
     return bool(values) and all(isinstance(value, Image.Image) for value in values)
 
 
-def _images_message(fields: list[str]) -> str:
-    """Packs decode images to PIL by default (as torchvision's
-    ImageFolder gives them), which no collate can stack; say which ``decode=`` gives what."""
-    named = ", ".join(repr(name) for name in fields)
-    return (
-        f"default_collate cannot stack PIL images (field {named}): a pack decodes images to "
-        "PIL by default (decode='pil'). Read it with decode='numpy' (HxWxC uint8 arrays, as "
-        "an HDF5 file read in place gives them) or decode='tensor' (CxHxW uint8 tensors), or "
-        "end the transform with fastloader.transforms.PILToTensor()"
-    )
+def _where_images(batch: Sequence[Any], fields: list[str]) -> str:
+    """Where a batch's PIL images are: "element 0 of each sample (a tuple) is a PIL.Image"."""
+    first = batch[0]
+    kind = type(first).__name__
+    if isinstance(first, Mapping):
+        where = " and ".join(f"field {name!r}" for name in fields) + f" of each sample (a {kind})"
+    elif isinstance(first, (tuple, list)):
+        where = "element " + " and ".join(fields) + f" of each sample (a {kind})"
+    else:
+        where = "each sample"
+    verb = "are" if len(fields) > 1 else "is"
+    return f"default_collate cannot stack PIL images: {where} {verb} a PIL.Image"
 
 
 def _shapes_text(shapes: list) -> str:

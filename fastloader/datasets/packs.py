@@ -9,8 +9,10 @@ formats/__init__.py, and NOTE [ Fork-safe readers ] in formats/packfile.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,6 +24,7 @@ from fastloader.formats.lmdb import LMDBPack
 from fastloader.formats.packfile import PackFile, PackWriter, check_file, file_identity
 from fastloader.formats.records import PackError, Record, RecordKind
 from fastloader.vision.decoding import fuse
+from fastloader.vision.images import looks_like_image_folder
 from fastloader.vision.stored_images import DECODE_MODES, StoredImageError, decode_image
 
 __all__ = [
@@ -63,9 +66,12 @@ class PackedDataset(PackFile, Dataset):
         self.transform = transform
         self.target_transform = target_transform
         self.decode = decode
+        if decode != "bytes":
+            fuse(transform)  # planned here, so that the main process warns if on Pillow
         self.sample_transform = sample_transform
         self.with_geometry = with_geometry  # NOTE [ Crop box and flip ] in field_samples.py
-        PackFile.__init__(self, path, verify_checksums=verify_checksums)
+        with _image_folder_hint(path, self.backend):
+            PackFile.__init__(self, path, verify_checksums=verify_checksums)
         self._image_field = check_fields_options(self)
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
@@ -139,6 +145,21 @@ class PackedDataset(PackFile, Dataset):
             label = self.target_transform(label)
         return image, label
 
+    def pil_images_advice(self) -> str:
+        """What turns this pack's PIL images into arrays or tensors, for the collate's error
+        (NOTE [ Advice that fits the dataset ] in collate.py)."""
+        name = type(self).__name__
+        if self.decode != "pil":  # the images came from the transform
+            return (
+                f"this {name}'s transform returns PIL images: end it with "
+                "fastloader.transforms.PILToTensor()"
+            )
+        return (
+            f"a pack decodes images to PIL by default (decode='pil'): read it with "
+            f"{name}(..., decode='numpy') (HxWxC uint8 arrays) or decode='tensor' (CxHxW "
+            "uint8 tensors), or end its transform with fastloader.transforms.PILToTensor()"
+        )
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}({str(self.path)!r}, {len(self)} samples, "
@@ -179,7 +200,8 @@ class LMDBDataset(LMDBPack, PackedDataset):
             from fastloader.datasets.users_files import LMDBFileDataset
 
             _check_foreign_arguments(path, args, kwargs)
-            return LMDBFileDataset(path, *args, **kwargs)
+            with _image_folder_hint(path, "lmdb"):
+                return LMDBFileDataset(path, *args, **kwargs)
         return super().__new__(cls)
 
 
@@ -250,6 +272,23 @@ def _check_foreign_arguments(path: Any, args: tuple, kwargs: dict) -> None:
             f"{path}: not a fastloader pack but a user's own file, read in place: "
             f"{given[0]}= applies to packs (see docs/any-sample.md)"
         )
+
+
+@contextlib.contextmanager
+def _image_folder_hint(path: Any, backend: str) -> Iterator[None]:
+    """A pack's error on a folder of class folders of images says how to read that."""
+    try:
+        yield
+    except PackError as error:
+        if not looks_like_image_folder(path):
+            raise
+        folder = Path(path)
+        packed = folder.name + (".h5" if backend == "hdf5" else ".lmdb")
+        raise PackError(
+            f"{error}. It looks like an image folder: read it with "
+            f"fastloader.ImageFolder({str(folder)!r}), or pack it once with "
+            f"`fastloader-pack {folder} {packed}` and read the pack"
+        ) from None
 
 
 def _foreign(path: Any, backend: str) -> bool:

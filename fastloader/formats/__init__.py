@@ -25,7 +25,7 @@ from fastloader.formats.records import (
     decode_record,
     encode_record,
 )
-from fastloader.formats.signatures import HDF5_SIGNATURE
+from fastloader.formats.signatures import file_kind
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the lazy names below, imported eagerly
     from fastloader.formats.hdf5 import HDF5Pack, HDF5Writer
@@ -58,9 +58,6 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
-
-_LMDB_MAGIC = (0xBEEFC0DE).to_bytes(4, "little")
-_LMDB_MAGIC_OFFSET = 16  # after the 16-byte page header of the first meta page
 
 __all__ = [
     "FORMAT_VERSION",
@@ -156,12 +153,9 @@ def sniff_format(path: Path) -> str:
     Raises:
         PackError: naming the file, when it starts as neither (saying which its name suggests).
     """
-    with open(path, "rb") as file:
-        start = file.read(_LMDB_MAGIC_OFFSET + len(_LMDB_MAGIC))
-    if start.startswith(HDF5_SIGNATURE):
-        return "hdf5"
-    if start[_LMDB_MAGIC_OFFSET:] == _LMDB_MAGIC:
-        return "lmdb"
+    kind = file_kind(path)
+    if kind is not None:
+        return kind
     expected = _SUFFIXES.get(path.suffix.lower())
     named = {"hdf5": "an HDF5 file", "lmdb": "an LMDB file"}
     hint = (

@@ -38,7 +38,7 @@ import numpy as np
 from fastloader.formats.metadata import check_array, check_targets, load_metadata
 from fastloader.formats.packfile import PackFile, PackWriter
 from fastloader.formats.records import PackError
-from fastloader.formats.signatures import HDF5_SIGNATURE
+from fastloader.formats.signatures import HDF5_SIGNATURE, not_hdf5_hint
 
 _COPY_BYTES = 64 << 20
 _UINT8, _INT64 = np.dtype("uint8"), np.dtype("<i8")
@@ -76,7 +76,8 @@ class _Handle:
         try:
             self.file = h5py.File(path, "r")
         except Exception as error:  # noqa: BLE001 - a hostile file may make h5py raise anything
-            raise PackError(f"{path}: not a readable HDF5 file ({_short(error)})") from None
+            problem = not_hdf5_hint(path) or f"not a readable HDF5 file ({_short(error)})"
+            raise PackError(f"{path}: {problem}") from None
         try:
             self.maps = self._checked_maps()
         except PackError:

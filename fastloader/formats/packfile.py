@@ -58,7 +58,7 @@ def check_file(path: Path) -> None:
         PackError: for a folder or an empty file.
     """
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no such packed file")
+        raise FileNotFoundError(f"{path}: no such file")
     if path.is_dir():
         raise PackError(f"{path}: is a directory, not a packed file")
     if path.stat().st_size == 0:

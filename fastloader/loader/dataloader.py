@@ -18,10 +18,15 @@ from fastloader.loader.iterators import SingleProcessIter, WorkerPoolIter
 from fastloader.loader.lazy_seeding import SeedingMemory
 from fastloader.loader.resume import build_state, resume_point
 from fastloader.loader.seeding import resolve_seed, resolve_seed_rngs
-from fastloader.loader.setup_warnings import DEFAULT_DEVICE_PREFETCH, check_device_arguments
+from fastloader.loader.setup_warnings import (
+    DEFAULT_DEVICE_PREFETCH,
+    check_device_arguments,
+    warn_if_shuffle_on_mix,
+)
 from fastloader.loader.state_checks import validate_state as check_state_fields
 from fastloader.sampling.choice import choose_sampler
 from fastloader.sampling.distributed import ElasticDistributedSampler
+from fastloader.sampling.mix import Mix
 from fastloader.sampling.samplers import (
     BlockShuffleSampler,
     EpochShuffleSampler,
@@ -153,6 +158,8 @@ class DataLoader(TorchDataLoader[T_co]):
         )
         if resolved_device is not None and resolved_device.type == "cuda":
             pin_memory = True
+        if sampler is None and batch_sampler is None and isinstance(dataset, Mix):
+            warn_if_shuffle_on_mix(shuffle, distributed, dataset)  # its order wins
         sampler, shuffle = choose_sampler(  # NOTE [ Choosing the order ] in sampling/choice.py
             dataset,
             sampler,

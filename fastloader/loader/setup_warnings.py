@@ -21,6 +21,10 @@ torch's checks and timing). The audit, one line per argument:
 - ``pin_memory=True`` speeds up copies to an accelerator: with ``device="cpu"`` (batches stay
   in host memory) or with no accelerator present -> warning, once per loader here rather than
   torch's once per ``iter()``. ``device="cuda"`` pins by itself.
+- ``shuffle`` on a ``Mix`` read in its own order: the Mix decides the order (its ``shuffle=``
+  shuffles each source's epochs, its weights interleave them), so the loader's ``shuffle`` only
+  picks, with ``distributed=True``, padding (training) or an exact split (evaluation); without
+  ``distributed`` it does nothing -> warning.
 - ``device`` (checked by ``fastloader.device.resolve_device``), ``device_prefetch``'s type and
   range, ``num_workers="auto"``, ``seed``, ``seed_rngs``, ``distributed`` (its sampler and
   process group): each has its own check where it is resolved; none of them can be ignored by
@@ -91,8 +95,24 @@ def check_device_arguments(
         )
 
 
-def _ineffective(message: str) -> None:
-    warnings.warn(IneffectiveArgumentWarning(f"fastloader: {message}"), stacklevel=4)
+def warn_if_shuffle_on_mix(shuffle: Any, distributed: bool, mix: Any) -> None:
+    """Warn that ``shuffle`` does nothing on a Mix read in its own order without
+    ``distributed`` (NOTE [ Arguments that cannot take effect ]); called by the DataLoader's
+    constructor, just before the order is chosen."""
+    if shuffle is None or distributed:
+        return
+    shuffles = mix.shuffle
+    order = "shuffles each source's epochs" if shuffles else "reads each source in order"
+    _ineffective(
+        f"shuffle={shuffle!r} has no effect on a Mix: the Mix decides the order (this one "
+        f"{order}, by its own shuffle=, and interleaves the sources by weight); leave the "
+        "loader's shuffle out, and pass Mix(..., shuffle=...) to change it",
+        stacklevel=4,
+    )
+
+
+def _ineffective(message: str, stacklevel: int = 4) -> None:
+    warnings.warn(IneffectiveArgumentWarning(f"fastloader: {message}"), stacklevel=stacklevel)
 
 
 class EmptyEpochWarning(UserWarning):

@@ -38,27 +38,87 @@ the node's position where ``c`` steps to ``m + 1``; its right child's is the res
 
 Weights are integers here (``quantize``: parts in 2**20 of the total), so the arithmetic is
 exact in uint64 up to ``MAX_POSITION`` positions per segment, and identical in every process.
+
+NOTE [ Weights that overflow or vanish ]
+
+Weights are given at any scale, so two cases need care when they become shares:
+
+- **The sum overflows** (``{"a": 1e308, "b": 1e308, "c": 1.0}``: each weight finite, the sum
+  ``inf``). The weights are first multiplied by a power of two that brings the largest below
+  1. That is exact in binary floating point (only the exponents change), so every share is
+  bit for bit what it would be with unbounded floats, and the proportions are the given ones:
+  the mix accepts such weights. Weights whose sum is finite are not touched, so their order is
+  unchanged. (A weight that is no finite float, such as ``10**400``, is refused by ``Mix``.)
+- **A share below half the resolution** (a positive weight under ``2**-21`` of the total):
+  rounding would give it no part, and ``quantize`` gives it the minimum, one part in 2**20,
+  so the source would be drawn at over twice its rate (``1e-9`` of the total would be drawn
+  at about ``1e-6``). ``Mix`` refuses such weights, naming them (``below_resolution``): give
+  the source weight 0, or at least ``2**-21`` of the total. A share of one part or more is
+  off by at most half a part, as every share is.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["MAX_POSITION", "Interleave", "quantize"]
+__all__ = [
+    "MAX_POSITION",
+    "RESOLUTION",
+    "Interleave",
+    "as_weight",
+    "below_resolution",
+    "quantize",
+]
 
 _SCALE = 1 << 20  # integer weights sum to about this
+RESOLUTION = 1 / _SCALE  # the smallest share a source of positive weight gets
 MAX_POSITION = 1 << 42  # positions per segment the uint64 arithmetic stays exact for
+
+
+def _shares(weights: Sequence[float]) -> list[float]:
+    """Each weight's share of the total, in parts of 2**20 (see NOTE [ Weights that overflow
+    or vanish ])."""
+    total = float(sum(weights))
+    if total == math.inf:  # finite weights whose sum overflows: scale by a power of two first
+        exponent = math.frexp(max(weights))[1]
+        weights = [math.ldexp(w, -exponent) for w in weights]
+        total = float(sum(weights))
+    if not total > 0:
+        raise ValueError("at least one weight must be positive")
+    return [w / total * _SCALE for w in weights]
+
+
+def as_weight(value: object) -> float | None:
+    """A weight as a float: None unless an int or float (not a bool) that is finite, >= 0 and
+    fits a float (``10**400`` does not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        weight = float(value)
+    except OverflowError:
+        return None
+    return weight if math.isfinite(weight) and weight >= 0 else None
 
 
 def quantize(weights: Sequence[float]) -> list[int]:
     """Integer weights in parts of 2**20 of the total; a positive weight stays positive."""
-    total = float(sum(weights))
-    if not total > 0:
-        raise ValueError("at least one weight must be positive")
-    return [0 if w == 0 else max(1, round(w / total * _SCALE)) for w in weights]
+    shares = _shares(weights)
+    return [0 if w == 0 else max(1, round(x)) for w, x in zip(weights, shares, strict=True)]
+
+
+def below_resolution(weights: Sequence[float]) -> list[tuple[int, float]]:
+    """``(index, share of the total)`` of each positive weight too small for its share:
+    ``quantize`` would raise it to the minimum share, ``RESOLUTION``, over twice its own."""
+    shares = _shares(weights)
+    return [
+        (s, x / _SCALE)
+        for s, (w, x) in enumerate(zip(weights, shares, strict=True))
+        if w > 0 and round(x) == 0
+    ]
 
 
 class Interleave:

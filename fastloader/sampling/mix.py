@@ -21,6 +21,10 @@ the same order:
   changes at the same global position. A schedule entry after the call still applies; a call
   at a scheduled position replaces it.
 
+Every weight change is checked as the first weights are (NOTE [ Weights that overflow or
+vanish ] in interleave.py): a weight no float holds or too small for its share is refused by
+name, a sum that overflows keeps its proportions.
+
 Weights are only changed for the endless policies ("cycle", "replacement"): with the others
 an epoch's length follows from the weights.
 """
@@ -28,13 +32,14 @@ an epoch's length follows from the weights.
 from __future__ import annotations
 
 import bisect
-import math
+import sys
 import weakref
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from torch.utils.data import Dataset, IterableDataset
 
+from fastloader.sampling.interleave import RESOLUTION, as_weight, below_resolution
 from fastloader.sampling.mix_order import ENDLESS, INTERLEAVES, POLICIES, MixOrder
 from fastloader.sampling.mix_samplers import ElasticMixSampler, MixSampler
 from fastloader.sampling.mix_state import build_mix_state, merge_history
@@ -70,19 +75,92 @@ def _check_weights(weights: Any, names: list[str], what: str) -> dict[str, float
         raise ValueError(f"{what} must give every source a weight; missing: {missing}")
     checked = {}
     for name in sorted(names):
-        weight = weights[name]
-        good = isinstance(weight, (int, float)) and not isinstance(weight, bool)
-        if not good or not math.isfinite(weight) or weight < 0:
-            raise ValueError(f"{what}[{name!r}] must be a finite number >= 0, got {weight!r}")
-        checked[name] = float(weight)
+        weight = as_weight(weights[name])
+        if weight is None:
+            raise ValueError(
+                f"{what}[{name!r}] must be a finite number >= 0 that fits a float (at most "
+                f"{sys.float_info.max:.4g}), got {_short_repr(weights[name])}"
+            )
+        checked[name] = weight
     if not any(checked.values()):
         raise ValueError(f"{what} must give at least one source a positive weight")
+    _check_resolution(checked, what)
     return checked
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} characters)"
+
+
+def _check_resolution(weights: dict[str, float], what: str) -> None:
+    """Refuse weights too small for their share (NOTE [ Weights that overflow or vanish ])."""
+    names = list(weights)
+    small = below_resolution([weights[name] for name in names])
+    if small:
+        listed = ", ".join(f"{what}[{names[s]!r}] ({share:.3g} of the total)" for s, share in small)
+        raise ValueError(
+            f"{listed}: below the mix's resolution; such a source would be drawn at "
+            f"{RESOLUTION:.3g} of the samples (one part in {round(1 / RESOLUTION)}), over twice "
+            f"its weight. Give it weight 0 or at least {RESOLUTION / 2:.3g} of the total"
+        )
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+def _check_sources(sources: Any) -> dict[str, Any]:
+    """The sources by name, sorted (the dict's order never matters)."""
+    if not isinstance(sources, Mapping) or not sources:
+        raise ValueError("sources must be a non-empty dict of name -> dataset")
+    datasets = {}
+    for name in sorted(sources):
+        dataset = sources[name]
+        if not isinstance(name, str) or not 0 < len(name) <= 200:
+            raise ValueError(f"source names must be str of 1 to 200 characters: {name!r}")
+        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+            raise TypeError(f"source {name!r} must be a map-style dataset with __len__")
+        if len(dataset) < 1:
+            raise ValueError(f"source {name!r} is empty")
+        datasets[name] = dataset
+    return datasets
+
+
+def _check_settings(
+    policy: str, interleave: str, on_change: str, samples_per_epoch: int | None
+) -> None:
+    _check_choice("policy", policy, POLICIES)
+    _check_choice("interleave", interleave, INTERLEAVES)
+    _check_choice("on_change", on_change, ("refuse", "reweight"))
+    if interleave == "iid" and policy != "replacement":
+        raise ValueError('interleave="iid" needs policy="replacement" (see mix_order.py)')
+    if samples_per_epoch is not None and (
+        isinstance(samples_per_epoch, bool)
+        or not isinstance(samples_per_epoch, int)
+        or samples_per_epoch < 1
+    ):
+        raise ValueError(f"samples_per_epoch must be a positive int: {samples_per_epoch!r}")
+
+
+def _weight_plan(weights: Any, schedule: Any, sizes: dict[str, int]) -> list[Any]:
+    """``[(start, weights, how)]``: the weights at 0 (default: the sizes) and the schedule's."""
+    names = list(sizes)
+    if weights is None:
+        initial = _check_weights(
+            {name: float(size) for name, size in sizes.items()},
+            names,
+            "weights (by default the sources' sizes)",
+        )
+    else:
+        initial = _check_weights(weights, names, "weights")
+    plan = [(0, initial, "init")]
+    for at in sorted(schedule or {}):
+        if isinstance(at, bool) or not isinstance(at, int) or at < 1:
+            raise ValueError(f"schedule positions must be ints >= 1, got {at!r}")
+        plan.append((at, _check_weights(schedule[at], names, f"schedule[{at}]"), "schedule"))
+    return plan
 
 
 class Mix(Dataset):
@@ -100,8 +178,10 @@ class Mix(Dataset):
     Args:
         sources: name -> map-style dataset (a pack, a user's HDF5/LMDB file, any Dataset with
             ``__len__``). Names identify sources on resume; the dict's order does not matter.
-        weights: name -> non-negative weight for every source (any scale). Default: the
-            sources' sizes (a shuffled concatenation, interleaved).
+        weights: name -> non-negative weight for every source (any scale, even one whose
+            sum overflows; a positive weight must be at least 2**-21 of the total, see NOTE
+            [ Weights that overflow or vanish ] in interleave.py). Default: the sources'
+            sizes (a shuffled concatenation, interleaved).
         policy: "cycle" (default: endless, sources reshuffled as they run out), "replacement"
             (endless, uniform draws), "first_exhausted" / "all_exhausted" (an epoch ends with
             the first / last source's last sample), "once" (every sample once per epoch,
@@ -121,7 +201,8 @@ class Mix(Dataset):
 
     Raises:
         ValueError, TypeError: for an empty or unnamed source, an iterable dataset, bad
-            weights (naming the source), or an unknown policy.
+            weights (naming the source: not a finite float, or too small for its share), or
+            an unknown policy.
     """
 
     def __init__(
@@ -138,38 +219,10 @@ class Mix(Dataset):
         with_source: bool = True,
         on_change: str = "refuse",
     ) -> None:
-        if not isinstance(sources, Mapping) or not sources:
-            raise ValueError("sources must be a non-empty dict of name -> dataset")
-        self.datasets = {}
-        for name in sorted(sources):
-            dataset = sources[name]
-            if not isinstance(name, str) or not 0 < len(name) <= 200:
-                raise ValueError(f"source names must be str of 1 to 200 characters: {name!r}")
-            if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-                raise TypeError(f"source {name!r} must be a map-style dataset with __len__")
-            if len(dataset) < 1:
-                raise ValueError(f"source {name!r} is empty")
-            self.datasets[name] = dataset
+        self.datasets = _check_sources(sources)
         self.sizes = {name: len(dataset) for name, dataset in self.datasets.items()}
-        names = list(self.datasets)
-        _check_choice("policy", policy, POLICIES)
-        _check_choice("interleave", interleave, INTERLEAVES)
-        _check_choice("on_change", on_change, ("refuse", "reweight"))
-        if interleave == "iid" and policy != "replacement":
-            raise ValueError('interleave="iid" needs policy="replacement" (see mix_order.py)')
-        if samples_per_epoch is not None and (
-            isinstance(samples_per_epoch, bool)
-            or not isinstance(samples_per_epoch, int)
-            or samples_per_epoch < 1
-        ):
-            raise ValueError(f"samples_per_epoch must be a positive int: {samples_per_epoch!r}")
-        if weights is None:
-            weights = {name: float(size) for name, size in self.sizes.items()}
-        plan = [(0, _check_weights(weights, names, "weights"), "init")]
-        for at in sorted(schedule or {}):
-            if isinstance(at, bool) or not isinstance(at, int) or at < 1:
-                raise ValueError(f"schedule positions must be ints >= 1, got {at!r}")
-            plan.append((at, _check_weights(schedule[at], names, f"schedule[{at}]"), "schedule"))
+        _check_settings(policy, interleave, on_change, samples_per_epoch)
+        plan = _weight_plan(weights, schedule, self.sizes)
         if len(plan) > 1 and policy not in ENDLESS:
             raise ValueError(f"policy {policy!r} cannot change weights: use 'cycle'")
         self.plan = plan

@@ -27,9 +27,9 @@ weight changes), about 1 KB for 16 sources. On resume at stream position ``P``:
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
+from fastloader.sampling.interleave import as_weight
 from fastloader.sampling.mix_order import ENDLESS, INTERLEAVES, POLICIES
 
 __all__ = ["HOW", "build_mix_state", "check_mix_state", "merge_history"]
@@ -84,8 +84,7 @@ def _check_segment(j: int, segment: Any, previous: int) -> int:
         _fail(f"{field}[2]", "must be a dict of source name -> weight")
     for name, weight in weights.items():
         _check_name(f"{field}[2]", name)
-        good = isinstance(weight, (int, float)) and not isinstance(weight, bool)
-        if not good or not math.isfinite(weight) or weight < 0:
+        if as_weight(weight) is None:
             _fail(f"{field}[2][{name[:40]!r}]", "must be a finite non-negative number")
     if not any(weights.values()):
         _fail(f"{field}[2]", "must give at least one source a positive weight")
@@ -193,19 +192,30 @@ def merge_history(mix: Any, saved: dict[str, Any], position: int) -> History:
     """
     changed = _check_sources(mix, saved)  # by name first: the clearest message
     _check_settings(mix, saved)
-    past = [
+    past = _saved_past(saved, position)
+    if changed:
+        future = [(s, w, h) for s, w, h in mix.plan if s > position]
+        return [*past, (position, dict(mix.plan[0][1]), "resume"), *future]
+    _check_plan_agrees(mix, saved, position)
+    taken = {start for start, _, _ in past}  # a set_weights call wins over the plan
+    future = [(s, w, h) for s, w, h in mix.plan if s >= position and s not in taken]
+    return sorted([*past, *future], key=lambda entry: entry[0])
+
+
+def _saved_past(saved: dict[str, Any], position: int) -> History:
+    """The state's segments that stay: those before ``position``, and every call or resume."""
+    return [
         (start, dict(weights), how)
         for start, how, weights in saved["weights"]
         if start < position or how in ("call", "resume")
     ]
-    if changed:
-        future = [(s, w, h) for s, w, h in mix.plan if s > position]
-        return [*past, (position, dict(mix.plan[0][1]), "resume"), *future]
+
+
+def _check_plan_agrees(mix: Any, saved: dict[str, Any], position: int) -> None:
+    """Refuse unless the Mix's plan gives the state's weights before ``position``."""
     # the Mix's plan took over at the last reweighted resume (or at 0): compare from there
     took_over = max([s for s, h, _ in saved["weights"] if h == "resume" and s <= position] or [0])
-    plan = [(took_over, mix.plan[0][1])] + [(s, w) for s, w, _ in mix.plan[1:] if s > took_over]
-    called = {s for s, h, _ in saved["weights"] if h == "call"}  # a call replaced the plan there
-    planned_before = [(s, w) for s, w in plan if s < position and s not in called]
+    planned_before = _planned_before(mix, saved, took_over, position)
     saved_before = [
         (s, w)
         for s, h, w in saved["weights"]
@@ -223,9 +233,15 @@ def merge_history(mix: Any, saved: dict[str, Any], position: int) -> History:
             f"{[s for s, _ in saved_before][:5]}, this Mix's at "
             f"{[s for s, _ in planned_before][:5]}"
         )
-    taken = {start for start, _, _ in past}  # a set_weights call wins over the plan
-    future = [(s, w, h) for s, w, h in mix.plan if s >= position and s not in taken]
-    return sorted([*past, *future], key=lambda entry: entry[0])
+
+
+def _planned_before(
+    mix: Any, saved: dict[str, Any], took_over: int, position: int
+) -> list[tuple[int, dict[str, float]]]:
+    """The Mix's plan from ``took_over`` to ``position``, less the positions a call replaced."""
+    plan = [(took_over, mix.plan[0][1])] + [(s, w) for s, w, _ in mix.plan[1:] if s > took_over]
+    called = {s for s, h, _ in saved["weights"] if h == "call"}  # a call replaced the plan there
+    return [(s, w) for s, w in plan if s < position and s not in called]
 
 
 def _short(weights: dict[str, float]) -> str:

@@ -52,7 +52,8 @@ pixels against Pillow on small and large photos): Pillow decode + crop + resize 
 simplejpeg decode alone 0.54 ms; simplejpeg + cv2.resize 0.61 ms (49.7 dB PSNR vs Pillow);
 + Pillow's antialiased resize instead 1.10 ms; cv2.warpAffine (exact sub-pixel box) 0.71 ms;
 cv2 INTER_AREA 0.82 ms. Without simplejpeg or OpenCV the same plan runs on Pillow (``draft``
-for the DCT scale, ``resize(box=)``), same boxes, pixels within tolerance.
+for the DCT scale, ``resize(box=)``), same boxes, pixels within tolerance, and the first
+transform fused in a process gives a ``PillowFallbackWarning`` naming ``fastloader[fast]``.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -79,16 +81,35 @@ from fastloader.vision.transforms import (
     draw_crop_box,
 )
 
+_MISSING = ""  # the fast backend's module that is not installed
 try:  # the fast backend: both or neither
     import cv2
     import simplejpeg
-except ImportError:  # pragma: no cover - exercised by forcing BACKEND in the tests
+except ImportError as error:  # pragma: no cover - exercised by forcing BACKEND in the tests
     cv2 = simplejpeg = None
+    _MISSING = error.name or ""
 
-__all__ = ["BACKEND", "FusedTransform", "Geometry", "fuse", "jpeg_size"]
+__all__ = ["BACKEND", "FusedTransform", "Geometry", "PillowFallbackWarning", "fuse", "jpeg_size"]
 
 #: "simplejpeg" (simplejpeg + OpenCV) when both are installed, else "pillow".
 BACKEND = "simplejpeg" if simplejpeg is not None else "pillow"
+
+
+class PillowFallbackWarning(UserWarning):
+    """Fused decoding runs on Pillow, slower: OpenCV or simplejpeg is missing (once a process)."""
+
+
+_fallback_warned: list[bool] = []  # once per process: when a transform is first fused
+
+
+def _warn_fallback() -> None:
+    if BACKEND == "pillow" and not _fallback_warned:
+        _fallback_warned.append(True)
+        missing = "OpenCV (cv2)" if _MISSING in ("", "cv2") else _MISSING
+        message = f"fastloader: {missing} is not installed, so fused decoding runs on Pillow"
+        fix = "slower: pip install fastloader[fast]"
+        warnings.warn(PillowFallbackWarning(f"{message}, {fix}"), stacklevel=2)
+
 
 _GEOMETRIC = (Resize, CenterCrop, RandomResizedCrop, RandomHorizontalFlip)
 
@@ -258,6 +279,7 @@ def fuse(transform: Callable | None) -> FusedTransform | None:
         to_tensor = count < len(steps) and type(steps[count]) is PILToTensor
         rest = steps[count + to_tensor :]
         fused = FusedTransform(transform, steps[:count], to_tensor, rest)
+        _warn_fallback()
     if len(_CACHE) > 64:
         _CACHE.clear()
     _CACHE[id(transform)] = (transform, fused)

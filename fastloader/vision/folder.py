@@ -63,6 +63,8 @@ class ImageFolder(Dataset):
         self.transform = transform
         self.target_transform = target_transform
         self.loader = loader
+        if loader is None:
+            fuse(transform)  # planned here, so that the main process warns if on Pillow
         self.classes, self.class_to_idx = self.find_classes(self.root)
         paths, targets = _scan(self.root, self.class_to_idx, is_valid_file, allow_empty)
         encoded = [os.fsencode(path) for path in paths]
@@ -131,6 +133,20 @@ class ImageFolder(Dataset):
         if self.target_transform is not None:
             label = self.target_transform(label)
         return image, label
+
+    def pil_images_advice(self) -> str:
+        """What turns these PIL images into tensors, for the collate's error (NOTE [ Advice
+        that fits the dataset ] in fastloader/datasets/collate.py)."""
+        if self.transform is None:
+            return (
+                "fastloader.ImageFolder gives PIL images, as torchvision's: pass a transform "
+                "ending in fastloader.transforms.PILToTensor() (uint8 CxHxW; crops and resizes "
+                "before it are fused with decoding) or torchvision's ToTensor()"
+            )
+        return (
+            "this ImageFolder's transform returns PIL images: end it with "
+            "fastloader.transforms.PILToTensor() (or torchvision's ToTensor())"
+        )
 
     def __repr__(self) -> str:
         return (

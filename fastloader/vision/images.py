@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import os
 import re
 import warnings
@@ -27,6 +28,23 @@ def class_folder_files(folder: str, is_valid_file: Callable[[str], bool]) -> lis
         for path in (os.path.join(directory, file) for file in sorted(files))
         if is_valid_file(path)
     ]
+
+
+def looks_like_image_folder(path: str | os.PathLike, look_at: int = 200) -> bool:
+    """Whether ``path`` is a folder of class folders holding images (``ImageFolder``'s layout),
+    judged from at most ``look_at`` entries of its first class folders (cheap on a huge one)."""
+    try:
+        with os.scandir(path) as entries:
+            first = itertools.islice(entries, look_at)
+            folders = [entry.path for entry in first if entry.is_dir()]
+        for folder in folders[:8]:
+            with os.scandir(folder) as entries:
+                names = (entry.name.lower() for entry in itertools.islice(entries, look_at))
+                if any(name.endswith(IMG_EXTENSIONS) for name in names):
+                    return True
+    except OSError:
+        return False
+    return False
 
 
 @contextlib.contextmanager

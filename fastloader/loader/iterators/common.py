@@ -23,6 +23,7 @@ from torch.utils.data.dataloader import (
     _SingleProcessDataLoaderIter,
 )
 
+from fastloader.datasets.collate import PILImagesError
 from fastloader.loader.schedule import EpochSchedule
 from fastloader.loader.seeding import (
     RNGStateSwap,
@@ -122,6 +123,7 @@ class LoaderIterMixin:
 
     def _bind(self, loader: Any) -> None:
         self._loader_ref = weakref.ref(loader)
+        self._user_dataset = loader.dataset  # (torch's _dataset is the seeding wrapper)
         self._cursor = loader._cursor
         self._stats = loader.stats
         self._device_batches = None
@@ -158,6 +160,8 @@ class LoaderIterMixin:
             self._interrupted = True
             raise
         except Exception as error:
+            if isinstance(error, PILImagesError):  # NOTE [ Advice that fits the dataset ]
+                error.for_dataset(self._user_dataset)
             if self._device_batches is None:
                 counted = self._delivered != delivered
             else:  # the prefetcher raises a failure after the batches pulled before it
