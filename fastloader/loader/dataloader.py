@@ -214,7 +214,7 @@ class DataLoader(TorchDataLoader[T_co]):
         self._epoch_iter: Any = None  # a weak reference to the iterator of the current epoch
         self._seeding_memory = SeedingMemory()  # what seeding learns of the dataset (seeding.py)
         if hasattr(dataset, "attach") and isinstance(self.sampler, mixing.MIX_SAMPLERS):
-            dataset.attach(self)  # weight changes take effect at this loader's position
+            dataset.attach(self.seed, self._mix_next_position, self._mix_replan)  # weight changes
 
     # -- epochs -------------------------------------------------------------------------
 

@@ -16,10 +16,10 @@ the same order:
   loop has not seen: the loader's position (NOTE [ The epoch cursor ]), in global samples.
   Batches already loaded ahead (by workers, or by the schedule's look-ahead) were drawn with
   the old weights, so the loader drops them and loads again from that position with the new
-  weights (``DataLoader._mix_replan``: the workers stay, in-flight batches are drained, as
-  after ``set_epoch``). Every rank makes the same call at the same step, so every rank
-  changes at the same global position. A schedule entry after the call still applies; a call
-  at a scheduled position replaces it.
+  weights (the replan hook the loader hands to ``attach``: the workers stay, in-flight
+  batches are drained, as after ``set_epoch``). Every rank makes the same call at the same
+  step, so every rank changes at the same global position. A schedule entry after the call
+  still applies; a call at a scheduled position replaces it.
 
 Every weight change is checked as the first weights are (NOTE [ Weights that overflow or
 vanish ] in interleave.py): a weight no float holds or too small for its share is refused by
@@ -34,7 +34,7 @@ from __future__ import annotations
 import bisect
 import sys
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from torch.utils.data import Dataset, IterableDataset
@@ -278,7 +278,7 @@ class Mix(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_loader"] = None  # a weak reference to the main process's loader
+        state["_loader"] = None  # weak references to the main process's loader
         return state
 
     # -- the main process --------------------------------------------------------------------
@@ -288,11 +288,17 @@ class Mix(Dataset):
         self._order_seed = int(seed)
         self._rebuild()
 
-    def attach(self, loader: Any) -> None:
-        """Called by ``fastloader.DataLoader``: weight changes go through ``loader``."""
-        self._loader = weakref.ref(loader)
+    def attach(self, seed: int, next_unseen: Callable[[], int], replan: Callable[[], None]) -> None:
+        """Called by ``fastloader.DataLoader`` with two of its own methods: weight changes
+        take effect at ``next_unseen()`` (the loader's next unseen position) and then call
+        ``replan()`` (the loader loads again from there). Both are held weakly."""
+        self._loader = (weakref.WeakMethod(next_unseen), weakref.WeakMethod(replan))
         if self.seed is None:
-            self.use_seed(loader.seed)
+            self.use_seed(seed)
+
+    def _loader_hooks(self) -> tuple[Callable[[], int], Callable[[], None]] | None:
+        hooks = tuple(ref() for ref in self._loader) if self._loader is not None else ()
+        return hooks if hooks and None not in hooks else None  # type: ignore[return-value]
 
     def loader_sampler(
         self, *, distributed: bool, shuffle: Any, batch_size: int | None, drop_last: bool, seed: int
@@ -324,8 +330,8 @@ class Mix(Dataset):
         if self.policy not in ENDLESS:
             raise ValueError(f"policy {self.policy!r} cannot change weights: use 'cycle'")
         checked = _check_weights(weights, list(self.datasets), "weights")
-        loader = self._loader() if self._loader is not None else None
-        unseen = loader._mix_next_position() if loader is not None else None
+        hooks = self._loader_hooks()
+        unseen = hooks[0]() if hooks is not None else None
         if at is None and unseen is None:
             raise ValueError("pass at= (a position of the mixed stream): no loader reads this Mix")
         if at is not None and unseen is not None and at < unseen:
@@ -335,8 +341,8 @@ class Mix(Dataset):
         self.history.append((position, checked, "call"))
         self.history.sort(key=lambda entry: entry[0])
         self._rebuild()
-        if loader is not None:
-            loader._mix_replan()
+        if hooks is not None:
+            hooks[1]()
         return position
 
     def weights_at(self, position: int) -> dict[str, float]:
