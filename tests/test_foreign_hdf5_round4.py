@@ -11,6 +11,7 @@ them ] in formats/hdf5_text.py), in the main process and in workers alike.
 
 from __future__ import annotations
 
+import struct
 import zlib
 from pathlib import Path
 
@@ -172,3 +173,20 @@ def test_strings_read_as_h5py_asstr_reads_them(tmp_path, kind):
     with h5py.File(path, "r") as file:
         want = file["s"].asstr()[()].tolist()
     assert [sample["s"] for sample in HDF5File(path).read_many(range(4))] == want
+
+
+def test_variable_length_strings_whose_heap_ids_storage_lies_are_refused(tmp_path):
+    # a storage size other than the strings' heap IDs once left them unchecked, read by h5py
+    # from heap objects fastloader had not checked (NOTE [ Global heap checked before h5py ])
+    path = tmp_path / "ids.h5"
+    with h5py.File(path, "w") as file:
+        file.create_dataset("t", data=[f"t{i}" for i in range(10)], dtype=h5py.string_dtype())
+        where = struct.pack("<QQ", file["t"].id.get_offset(), file["t"].id.get_storage_size())
+    data = bytearray(path.read_bytes())
+    assert data.count(where) == 1  # the layout message: address, size
+    struct.pack_into("<Q", data, data.index(where) + 8, 96)
+    path.write_bytes(bytes(data))
+    with h5py.File(path, "r") as file:
+        assert file["t"].id.get_storage_size() == 96  # h5py reads it all the same
+    with pytest.raises(PackError, match=r"ids.h5: dataset 't': .*96 bytes of heap IDs"):
+        HDF5File(path)

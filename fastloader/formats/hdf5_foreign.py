@@ -312,13 +312,17 @@ class HDF5File(ForkSafeFile):
 
     def _heap_ids(self, dataset: h5py.Dataset, where: str) -> int | None:
         """Where a contiguous variable-length dataset's heap IDs start, checked to lie in the
-        file; None if unwritten or not of 16-byte IDs (NOTE [ Global heap checked before
-        h5py ])."""
+        file; None if unwritten or of IDs other than 16 bytes (a file of 4-byte addresses),
+        unchecked (NOTE [ Global heap checked before h5py ])."""
         offset, count = dataset.id.get_offset(), items(dataset.shape)
-        if offset is None or dataset.id.get_storage_size() != count * HEAP_ID_SIZE:
+        if offset is None or dataset.file.id.get_create_plist().get_sizes()[0] != 8:
             return None
-        if offset + count * HEAP_ID_SIZE > self._identity[2]:
-            raise PackError(f"{where}: truncated or damaged file (its heap IDs lie past its end)")
+        stored, size = dataset.id.get_storage_size(), self._identity[2]
+        if stored != count * HEAP_ID_SIZE or offset + count * HEAP_ID_SIZE > size:
+            raise PackError(
+                f"{where}: truncated or damaged file ({stored} bytes of heap IDs at offset "
+                f"{offset} for {count} strings of {HEAP_ID_SIZE}; the file has {size})"
+            )
         return offset
 
     def _checked_offset(self, dataset: h5py.Dataset, where: str) -> int | None:
