@@ -28,7 +28,12 @@ crashes, reads outside the file or allocates more than its size justifies.
   length) is read by h5py, whose filters bound what they inflate to the dataset's declared
   shape; a row that no compression of the file could hold (more than deflate's 1032:1) is
   refused at construction, so a hostile shape cannot make a read allocate terabytes.
-- String datasets give a str per row; rows of several strings (``(N, 2)``) a list of str.
+- Every chunk is checked against the dataset's layout before h5py reads it (NOTE [ Chunks
+  checked before h5py reads them ] in hdf5_chunks.py), every heap ID of a contiguous string
+  dataset against its heap (NOTE [ Global heap checked before h5py ] in hdf5_heap.py).
+- String datasets give a str per row; rows of several strings (``(N, 2)``) a list of str;
+  bytes h5py's ``asstr()`` would not decode are a PackError naming the sample (NOTE [ Strings
+  decoded as h5py decodes them ] in hdf5_text.py).
 
 NOTE [ A file changed under a reader ]
 A file rewritten or truncated while a loader reads it would give rows of another file (h5py's
