@@ -21,9 +21,10 @@ Mutations are structural (the bytes readers trust, not the payload): HDF5 byte f
 8-byte words (addresses, sizes) written outside the datasets' data, chunk index entries (a
 chunk's stored size, filter mask or address set near or far from its value), a byte of a
 variable-length string made one that is not UTF-8 there (h5py's ``asstr()`` refuses it: the
-reference reads such a sample as no reading), random flips anywhere, and truncations; LMDB flips and u16/u64 fields (page headers, node offsets, child and overflow
-pointers, set to 0, 1, the page itself, another tree page, past the end) in the pages of the
-main tree and the meta pages, random flips anywhere, and truncations.
+reference reads such a sample as no reading), random flips anywhere, and truncations; LMDB
+flips and u16/u64 fields (page headers, node offsets, child and overflow pointers, set to 0, 1,
+the page itself, another tree page, past the end) in the pages of the main tree and the meta
+pages, random flips anywhere, and truncations.
 
 Run: ``python -m benchmarks.fuzz_users [--trials 1000] [--seed 0] [--kinds hdf5,lmdb]``
 (tests/test_users_fuzz.py runs a bounded version).
