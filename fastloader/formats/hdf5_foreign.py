@@ -63,7 +63,7 @@ from typing import Any, NamedTuple
 import h5py
 import numpy as np
 
-from fastloader.formats.hdf5_chunks import ChunkLayout, chunk_layout
+from fastloader.formats.hdf5_chunks import ChunkLayout, chunk_layout, index_problem
 from fastloader.formats.hdf5_handle import FileHandle, items, short_error
 from fastloader.formats.hdf5_heap import HEAP_ID_SIZE
 from fastloader.formats.hdf5_text import TextError, decode_column
@@ -86,7 +86,7 @@ class _Field(NamedTuple):
     row_shape: tuple[int, ...]
     offset: int | None  # where its bytes start in the file, when mapped; None: read by h5py
     heap_ids: int | None = None  # variable-length strings: where their heap IDs start
-    chunks: ChunkLayout | None = None  # read by h5py from chunks: checked before it reads
+    chunks: ChunkLayout | None = None  # filtered chunks: their output checked before h5py reads
     encoding: str = "utf-8"  # strings: their declared codec, as h5py's asstr() decodes them
 
 
@@ -232,8 +232,12 @@ class HDF5File(ForkSafeFile):
             field = self._string_field(dataset, name, where, external, mapped)
         else:
             field = self._number_field(dataset, name, where, mapped)
-        if field.offset is None and not external:  # NOTE [ Chunks checked before h5py ... ]
-            field = field._replace(chunks=chunk_layout(dataset))
+        layout = chunk_layout(dataset) if field.offset is None and not external else None
+        if layout is not None:  # NOTE [ Chunks checked before h5py reads them ]
+            problem = index_problem(dataset.id, layout, dataset.shape[0], self._identity[2])
+            if problem is not None:
+                raise PackError(f"{where} is damaged: {problem}")
+            field = field._replace(chunks=layout if layout.filters else None)
         return field, dataset.shape[0]
 
     def _open_dataset(self, file: h5py.File, name: str, where: str) -> tuple[h5py.Dataset, bool]:

@@ -12,7 +12,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from fastloader.formats.hdf5_chunks import chunk_problem
+from fastloader.formats.hdf5_chunks import chunk_problem, written_chunks
 from fastloader.formats.hdf5_heap import check_heap_ids
 from fastloader.formats.records import PackError
 
@@ -44,6 +44,7 @@ class FileHandle:
         self.heaps: dict[int, dict | None] = {}  # global heap collections checked here
         self.heap_rows: dict[str, np.ndarray] = {}  # rows whose heap IDs were checked
         self.chunk_slabs: dict[str, np.ndarray] = {}  # slabs of rows whose chunks were checked
+        self.written: dict[str, set] = {}  # chunks each dataset's index lists, if needed
         self.mapped: dict[str, np.ndarray] = {}  # field -> its rows as an array of the map
 
     def dataset(self, name: str) -> h5py.Dataset:
@@ -82,10 +83,18 @@ class FileHandle:
         if not len(slabs):
             return
         dsid = self.dataset(field.name).id
-        problem = chunk_problem(dsid, layout, slabs, (count, *field.row_shape), self.size)
+        shape = (count, *field.row_shape)
+        problem = chunk_problem(dsid, layout, slabs, shape, lambda: self._written(field.name))
         if problem is not None:
             raise PackError(f"{self.path}: dataset {field.name!r} is damaged: {problem}")
         seen[slabs] = True
+
+    def _written(self, name: str) -> set[tuple[int, ...]]:
+        """The chunks dataset ``name``'s index lists, walked once in this process."""
+        found = self.written.get(name)
+        if found is None:
+            found = self.written[name] = written_chunks(self.dataset(name).id)
+        return found
 
     def close(self) -> None:
         self.datasets = {}
