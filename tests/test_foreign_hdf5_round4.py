@@ -189,3 +189,24 @@ def test_variable_length_strings_whose_heap_ids_storage_lies_are_refused(tmp_pat
         assert file["t"].id.get_storage_size() == 96  # h5py reads it all the same
     with pytest.raises(PackError, match=r"ids.h5: dataset 't': .*96 bytes of heap IDs"):
         HDF5File(path)
+
+
+@pytest.mark.parametrize("size", [25, 60])
+def test_compact_storage_whose_size_lies_is_refused(tmp_path, size):
+    # the rows held in the object header itself: HDF5 checks their size against the shape
+    path = tmp_path / "compact.h5"
+    values = np.arange(10, dtype="<i4") + 1000
+    with h5py.File(path, "w") as file:
+        plist = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        plist.set_layout(h5py.h5d.COMPACT)
+        space = h5py.h5s.create_simple((10,))
+        made = h5py.h5d.create(file.id, b"c", h5py.h5t.STD_I32LE, space, dcpl=plist)
+        made.write(h5py.h5s.ALL, h5py.h5s.ALL, values)
+    assert [sample["c"] for sample in HDF5File(path).read_many(range(10))] == values.tolist()
+    data = bytearray(path.read_bytes())
+    at = data.index(values.tobytes()) - 2  # the layout message's u16 size, before the rows
+    assert struct.unpack_from("<H", data, at)[0] == 40
+    struct.pack_into("<H", data, at, size)
+    path.write_bytes(bytes(data))
+    with pytest.raises(PackError, match="compact.h5: dataset 'c'"):
+        HDF5File(path)
