@@ -18,10 +18,13 @@ damaged trees; a reference that crashes or raises counts as "no reading": then o
 original's samples are correct.
 
 Mutations are structural (the bytes readers trust, not the payload): HDF5 byte flips and
-8-byte words (addresses, sizes) written outside the datasets' data, random flips anywhere, and
-truncations; LMDB flips and u16/u64 fields (page headers, node offsets, child and overflow
-pointers, set to 0, 1, the page itself, another tree page, past the end) in the pages of the
-main tree and the meta pages, random flips anywhere, and truncations.
+8-byte words (addresses, sizes) written outside the datasets' data, chunk index entries (a
+chunk's stored size, filter mask or address set near or far from its value), a byte of a
+variable-length string made one that is not UTF-8 there (h5py's ``asstr()`` refuses it: the
+reference reads such a sample as no reading), random flips anywhere, and truncations; LMDB
+flips and u16/u64 fields (page headers, node offsets, child and overflow pointers, set to 0, 1,
+the page itself, another tree page, past the end) in the pages of the main tree and the meta
+pages, random flips anywhere, and truncations.
 
 Run: ``python -m benchmarks.fuzz_users [--trials 1000] [--seed 0] [--kinds hdf5,lmdb]``
 (tests/test_users_fuzz.py runs a bounded version).
@@ -48,13 +51,15 @@ OUTCOMES = ("correct or PackError", "silently wrong", "other exception", "crashe
 NOTES = ("of which refused", "the library died")
 PSIZE = 4096
 _BATCH = 5  # samples per read_many, as a loader's batches read them
+HDF5_TEXTS = [f"t{i}é" for i in range(20)]  # the original's variable-length strings
 
 
 # --- the originals ----------------------------------------------------------------------------
 
 
 def make_hdf5(path: Path, count: int = 20) -> Path:
-    """Contiguous (mapped) and chunked fields, strings fixed and variable, big-endian ints."""
+    """Contiguous (mapped) and chunked fields (gzip and unfiltered), strings fixed and variable,
+    big-endian ints."""
     import h5py
 
     rng = np.random.default_rng(3)
@@ -63,11 +68,12 @@ def make_hdf5(path: Path, count: int = 20) -> Path:
         file["part"] = rng.random((count, 7, 2), np.float32)
         file["id"] = np.arange(count, dtype=">i8") * 7
         file["name"] = np.array([f"n{index}".encode() for index in range(count)], "S6")
-        file.create_dataset(
-            "text", data=[f"t{i}é" for i in range(count)], dtype=h5py.string_dtype()
-        )
+        file.create_dataset("text", data=HDF5_TEXTS[:count], dtype=h5py.string_dtype())
         file.create_dataset(
             "mask", data=rng.random((count, 9)) > 0.5, chunks=(4, 9), compression="gzip"
+        )
+        file.create_dataset(
+            "depth", data=rng.integers(-99, 99, (count, 4), np.int16), chunks=(3, 4)
         )
     return path
 
@@ -168,10 +174,11 @@ def _h5py_reading(path: str) -> dict:
 
     with h5py.File(path, "r") as file:
         names = [name for name in file.keys() if isinstance(file[name], h5py.Dataset)]
-        columns = {}
+        columns, codecs = {}, {}
         for name in names:
             try:
                 columns[name] = file[name][()]
+                codecs[name] = getattr(h5py.check_string_dtype(file[name].dtype), "encoding", None)
             except Exception:  # noqa: BLE001 - this field has no reading
                 columns[name] = None
     lengths = {len(column) for column in columns.values() if column is not None}
@@ -180,13 +187,19 @@ def _h5py_reading(path: str) -> dict:
     samples = []
     for row in range(lengths.pop()):
         digests = []
-        for column in columns.values():
+        for name, column in columns.items():
             if column is None:
                 digests.append("error")
                 continue
             value = column[row]
             if isinstance(value, np.ndarray) and value.dtype.kind in "OS":
                 value = value.tolist()
+            if codecs.get(name):  # a string: as h5py's asstr() decodes it, or no reading
+                try:
+                    value = value.decode(codecs[name])
+                except UnicodeDecodeError:
+                    digests.append("error")
+                    continue
             digests.append(_sample_digest({"v": value})[0])
         samples.append(digests)
     return {"open": "ok", "names": names, "samples": samples}
@@ -259,13 +272,81 @@ def hdf5_data_ranges(path: Path) -> list[tuple[int, int]]:
     return ranges
 
 
-def mutate_hdf5(data: bytes, rng: random.Random, data_ranges: list) -> tuple[bytes, str]:
+def hdf5_chunk_key(info) -> bytes:
+    """The version-1 B-tree key (h5py's default format) of the chunk ``info`` (h5py's
+    ``get_chunk_info``), with the child address after it: a u32 stored size, a u32 filter mask,
+    the chunk's offsets and a 0 as u64s, then the chunk's address as a u64."""
+    rank = len(info.chunk_offset)
+    return struct.pack(
+        f"<II{rank + 1}QQ", info.size, info.filter_mask, *info.chunk_offset, 0, info.byte_offset
+    )
+
+
+def hdf5_chunk_entries(data: bytes, path: Path) -> list[tuple[int, int]]:
+    """Where each chunk's B-tree key (``hdf5_chunk_key``) lies in ``data``, the file at
+    ``path``, with the chunk's rank."""
+    import h5py
+
+    entries = []
+    with h5py.File(path, "r") as file:
+        for name in file:
+            dataset = file[name].id
+            if dataset.get_create_plist().get_layout() != h5py.h5d.CHUNKED:
+                continue
+            for index in range(dataset.get_num_chunks()):
+                info = dataset.get_chunk_info(index)
+                key = hdf5_chunk_key(info)
+                assert data.count(key) == 1, f"{name}: chunk {index}'s key not found once"
+                entries.append((data.index(key), len(info.chunk_offset)))
+    return entries
+
+
+def hdf5_string_bytes(data: bytes, texts: list[str]) -> list[tuple[int, int]]:
+    """Where the bytes of each of ``texts`` (a variable-length dataset's strings, each stored
+    once in a global heap object) lie in ``data``: (start, length)."""
+    found = []
+    for text in texts:
+        encoded = text.encode()
+        at = data.find(struct.pack("<Q", len(encoded)) + encoded)  # after its object's size
+        if at >= 0:
+            found.append((at + 8, len(encoded)))
+    return found
+
+
+def _damage_chunk_entry(out: bytearray, rng: random.Random, entries: list) -> None:
+    """A chunk's stored size, filter mask or address set to a nearby or random value."""
+    at, rank = rng.choice(entries)
+    field = rng.choice(["size", "size", "mask", "address"])
+    if field == "address":
+        where, width = at + 8 + 8 * (rank + 1), 8
+    else:
+        where, width = at + (0 if field == "size" else 4), 4
+    old = int.from_bytes(out[where : where + width], "little")
+    value = rng.choice([0, 1, old - rng.randint(1, 16), old + rng.randint(1, 16), old // 2,
+                        rng.randrange(1 << (8 * width))])  # fmt: skip
+    out[where : where + width] = (value % (1 << (8 * width))).to_bytes(width, "little")
+
+
+def mutate_hdf5(
+    data: bytes, rng: random.Random, data_ranges: list, targets: dict | None = None
+) -> tuple[bytes, str]:
+    """One damaged copy of ``data``; ``targets`` (``chunk entries``, ``string bytes``: where
+    they lie) adds damage aimed at chunk index entries and the bytes of strings."""
     in_data = np.zeros(len(data), bool)
     for start, size in data_ranges:
         in_data[start : start + size] = True
     structure = np.flatnonzero(~in_data)
     out = bytearray(data)
-    kind = rng.choice(["meta flip", "meta flip", "meta word", "meta word", "any flip", "truncate"])
+    aimed = ["chunk entry", "chunk entry", "string bytes"] if targets else []
+    kind = rng.choice(["meta flip", "meta flip", "meta word", "meta word", "any flip", "truncate",
+                       *aimed])  # fmt: skip
+    if kind == "chunk entry":
+        _damage_chunk_entry(out, rng, targets["chunk entries"])
+        return bytes(out), kind
+    if kind == "string bytes":  # a byte of a string that is not UTF-8 there
+        start, length = rng.choice(targets["string bytes"])
+        out[start + rng.randrange(length)] = rng.choice([0x80, 0xBF, 0xC3, 0xEB, 0xFF])
+        return bytes(out), kind
     if kind == "truncate":
         return bytes(out[: rng.randrange(len(out))]), kind
     if kind == "meta word":
@@ -391,7 +472,11 @@ def fuzz(workdir: Path, kind: str, trials: int, seed: int) -> tuple[dict, dict]:
         original = make_hdf5(workdir / "original.h5")
         data = original.read_bytes()
         ranges = hdf5_data_ranges(original)
-        mutate, suffix = (lambda: mutate_hdf5(data, rng, ranges)), ".h5"
+        targets = {
+            "chunk entries": hdf5_chunk_entries(data, original),
+            "string bytes": hdf5_string_bytes(data, HDF5_TEXTS),
+        }
+        mutate, suffix = (lambda: mutate_hdf5(data, rng, ranges, targets)), ".h5"
     else:
         original = make_lmdb(workdir / "original-env") / "data.mdb"
         data = original.read_bytes()

@@ -75,7 +75,9 @@ class HDF5FileDataset(_SampleTransforms, HDF5File, Dataset):
         FileNotFoundError: if ``path`` does not exist.
         PackError: naming the file and the dataset, for an unreadable file, a missing, 0-d,
             misaligned, external (without ``allow_external``), damaged or unreadable-dtype
-            dataset; when reading, if the file changed since (NOTE [ A file changed under a
+            dataset; when reading, naming the sample or the chunk's rows, for a chunk whose
+            index entry does not fit its layout or a string that is not of its declared
+            character set, and if the file changed since (NOTE [ A file changed under a
             reader ] in formats/hdf5_foreign.py).
         ValueError: for ``as_tuple`` without ``fields``.
     """

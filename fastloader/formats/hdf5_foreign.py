@@ -28,7 +28,12 @@ crashes, reads outside the file or allocates more than its size justifies.
   length) is read by h5py, whose filters bound what they inflate to the dataset's declared
   shape; a row that no compression of the file could hold (more than deflate's 1032:1) is
   refused at construction, so a hostile shape cannot make a read allocate terabytes.
-- String datasets give a str per row; rows of several strings (``(N, 2)``) a list of str.
+- Every chunk is checked against the dataset's layout before h5py reads it (NOTE [ Chunks
+  checked before h5py reads them ] in hdf5_chunks.py), every heap ID of a contiguous string
+  dataset against its heap (NOTE [ Global heap checked before h5py ] in hdf5_heap.py).
+- String datasets give a str per row; rows of several strings (``(N, 2)``) a list of str;
+  bytes h5py's ``asstr()`` would not decode are a PackError naming the sample (NOTE [ Strings
+  decoded as h5py decodes them ] in hdf5_text.py).
 
 NOTE [ A file changed under a reader ]
 A file rewritten or truncated while a loader reads it would give rows of another file (h5py's
@@ -50,8 +55,6 @@ h5py read per field per batch, which HDF5 serves chunk by chunk.
 
 from __future__ import annotations
 
-import math
-import mmap
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -60,7 +63,10 @@ from typing import Any, NamedTuple
 import h5py
 import numpy as np
 
-from fastloader.formats.hdf5_heap import HEAP_ID_SIZE, check_heap_ids
+from fastloader.formats.hdf5_chunks import ChunkLayout, chunk_layout, index_problem
+from fastloader.formats.hdf5_handle import FileHandle, items, short_error
+from fastloader.formats.hdf5_heap import HEAP_ID_SIZE
+from fastloader.formats.hdf5_text import TextError, decode_column
 from fastloader.formats.mapped_rows import MappedRows
 from fastloader.formats.packfile import ForkSafeFile, check_file, file_identity, sample_row
 from fastloader.formats.records import PackError
@@ -80,41 +86,8 @@ class _Field(NamedTuple):
     row_shape: tuple[int, ...]
     offset: int | None  # where its bytes start in the file, when mapped; None: read by h5py
     heap_ids: int | None = None  # variable-length strings: where their heap IDs start
-
-
-def _short(error: BaseException) -> str:
-    return " ".join(str(error).split())[:200] or type(error).__name__
-
-
-class _Handle:
-    """An open file in one process: h5py's handle and our map of it."""
-
-    def __init__(self, path: Path, size: int) -> None:
-        try:
-            self.file = h5py.File(path, "r")
-        except Exception as error:  # noqa: BLE001 - a damaged file may make h5py raise anything
-            raise PackError(f"{path}: not a readable HDF5 file ({_short(error)})") from None
-        with open(path, "rb") as opened:
-            self.map = mmap.mmap(opened.fileno(), size, access=mmap.ACCESS_READ)
-        self.datasets: dict[str, h5py.Dataset] = {}
-        self.heaps: dict[int, dict | None] = {}  # global heap collections checked here
-        self.heap_rows: dict[str, np.ndarray] = {}  # rows whose heap IDs were checked
-        self.mapped: dict[str, np.ndarray] = {}  # field -> its rows as an array of the map
-
-    def dataset(self, name: str) -> h5py.Dataset:
-        dataset = self.datasets.get(name)
-        if dataset is None:
-            dataset = self.datasets[name] = self.file[name]
-        return dataset
-
-    def close(self) -> None:
-        self.datasets = {}
-        self.mapped = {}
-        self.file.close()
-        try:
-            self.map.close()
-        except BufferError:  # a row view still alive: unmapped when the last one goes
-            pass
+    chunks: ChunkLayout | None = None  # filtered chunks: their output checked before h5py reads
+    encoding: str = "utf-8"  # strings: their declared codec, as h5py's asstr() decodes them
 
 
 class HDF5File(ForkSafeFile):
@@ -147,22 +120,22 @@ class HDF5File(ForkSafeFile):
             fields = [fields]
         self.allow_external = allow_external
         self._identity = file_identity(self.path)
-        self._handle: _Handle | None = None
+        self._handle: FileHandle | None = None
         self._pid: int | None = None
-        handle = _Handle(self.path, self._identity[2])
+        handle = FileHandle(self.path, self._identity[2])
         try:
             self.fields, self._count = self._check_fields(handle, fields)
         except PackError:
             raise
         except Exception as error:  # noqa: BLE001 - h5py on a damaged file: anything
-            raise PackError(f"{self.path}: damaged HDF5 file ({_short(error)})") from None
+            raise PackError(f"{self.path}: damaged HDF5 file ({short_error(error)})") from None
         finally:
             handle.close()
         self.field_names = [field.name for field in self.fields]
 
     # --- construction: every field checked ------------------------------------------------
     def _check_fields(
-        self, handle: _Handle, fields: Sequence[str] | None
+        self, handle: FileHandle, fields: Sequence[str] | None
     ) -> tuple[list[_Field], int]:
         file = handle.file
         if fields is None:
@@ -188,7 +161,7 @@ class HDF5File(ForkSafeFile):
         """Mapped datasets whose byte ranges overlap (a damaged data address that lands in
         another dataset) are refused, naming both; two names of one dataset share its range."""
         spans = sorted(
-            (field.offset, field.offset + length * _items(field.row_shape) * field.dtype.itemsize)
+            (field.offset, field.offset + length * items(field.row_shape) * field.dtype.itemsize)
             + (field.name,)
             for field, length in checked
             if field.offset is not None
@@ -224,10 +197,10 @@ class HDF5File(ForkSafeFile):
                 ) from None
             raise PackError(
                 f"{self.path}: dataset {name!r} cannot be opened: a damaged object or a link "
-                f"that leads nowhere ({_short(error)}); name the other fields with fields="
+                f"that leads nowhere ({short_error(error)}); name the other fields with fields="
             ) from None
 
-    def _check_field(self, handle: _Handle, name: str) -> tuple[_Field, int]:
+    def _check_field(self, handle: FileHandle, name: str) -> tuple[_Field, int]:
         """A field's description and length, its first row read if h5py will read it: a
         damaged data address or filter is an error now, naming it, not at some batch."""
         try:
@@ -235,19 +208,41 @@ class HDF5File(ForkSafeFile):
         except PackError:
             raise
         except Exception as error:  # noqa: BLE001 - h5py on a damaged file: anything
-            raise PackError(f"{self.path}: dataset {name!r} is damaged ({_short(error)})") from None
+            raise PackError(
+                f"{self.path}: dataset {name!r} is damaged ({short_error(error)})"
+            ) from None
         if field.offset is None and length:
-            self._check_heap(handle, field, np.zeros(1, dtype=np.int64), length)
+            first = np.zeros(1, dtype=np.int64)
+            handle.check_heap(field, first, length)
+            handle.check_chunks(field, first, length)
             try:
                 handle.file[name][0:1]
             except Exception as error:  # noqa: BLE001 - h5py on a damaged file: anything
                 raise PackError(
-                    f"{self.path}: dataset {name!r} cannot be read (damaged: {_short(error)})"
+                    f"{self.path}: dataset {name!r} cannot be read (damaged: {short_error(error)})"
                 ) from None
         return field, length
 
-    def _describe_field(self, handle: _Handle, name: str) -> tuple[_Field, int]:
-        file, where = handle.file, f"{self.path}: dataset {name!r}"
+    def _describe_field(self, handle: FileHandle, name: str) -> tuple[_Field, int]:
+        """A field's description and length: where it lies, what it holds, how it is read."""
+        where = f"{self.path}: dataset {name!r}"
+        dataset, linked = self._open_dataset(handle.file, name, where)
+        external, mapped = self._storage(dataset, linked, where)
+        if h5py.check_string_dtype(dataset.dtype) is not None:
+            field = self._string_field(dataset, name, where, external, mapped)
+        else:
+            field = self._number_field(dataset, name, where, mapped)
+        layout = chunk_layout(dataset) if field.offset is None and not external else None
+        if layout is not None:  # NOTE [ Chunks checked before h5py reads them ]
+            problem = index_problem(dataset.id, layout, dataset.shape[0], self._identity[2])
+            if problem is not None:
+                raise PackError(f"{where} is damaged: {problem}")
+            field = field._replace(chunks=layout if layout.filters else None)
+        return field, dataset.shape[0]
+
+    def _open_dataset(self, file: h5py.File, name: str, where: str) -> tuple[h5py.Dataset, bool]:
+        """The dataset ``name``, and whether links lead to it from another file; refused if
+        they do (without ``allow_external``), if it is a group or 0-d."""
         linked = self._through_external_link(file, name)
         if linked and not self.allow_external:
             raise PackError(
@@ -255,18 +250,22 @@ class HDF5File(ForkSafeFile):
                 f"(pass allow_external=True to read it)"
             )
         dataset = self._object(file, name)
-        if isinstance(dataset, h5py.Dataset) and not _in_file(dataset, file):
+        if not isinstance(dataset, h5py.Dataset):
+            raise PackError(f"{where} is a group, not a dataset (name its datasets as 'a/b')")
+        if not _in_file(dataset, file):
             linked = True  # reached through links that lead to another file
             if not self.allow_external:
                 raise PackError(
                     f"{where} lies in another file (a soft link through an external link): "
                     f"refused (pass allow_external=True to read it)"
                 )
-        if not isinstance(dataset, h5py.Dataset):
-            raise PackError(f"{where} is a group, not a dataset (name its datasets as 'a/b')")
-        shape, dtype = dataset.shape, dataset.dtype
-        if shape is None or len(shape) == 0:
+        if dataset.shape is None or len(dataset.shape) == 0:
             raise PackError(f"{where} is 0-d (a single value), not one row per sample")
+        return dataset, linked
+
+    def _storage(self, dataset: h5py.Dataset, linked: bool, where: str) -> tuple[bool, bool]:
+        """Whether ``dataset``'s bytes lie in other files (refused without ``allow_external``),
+        and whether they are mapped: contiguous, unfiltered, of exactly h5py's type."""
         plist = dataset.id.get_create_plist()
         layout = plist.get_layout()
         external = linked or layout == h5py.h5d.VIRTUAL or plist.get_external_count() > 0
@@ -276,14 +275,25 @@ class HDF5File(ForkSafeFile):
                 f"refused (pass allow_external=True to read it)"
             )
         plain = not external and layout == h5py.h5d.CONTIGUOUS and not plist.get_nfilters()
-        mapped = plain and _maps_exactly(dataset)  # NOTE [ Mapped bytes are h5py's bytes ]
-        string = h5py.check_string_dtype(dtype)
-        if string is not None:  # fixed-length strings may be mapped, variable-length never
-            if dtype.kind != "S":  # NOTE [ Global heap checked before h5py ]
-                heap = self._heap_ids(dataset, where) if plain else None
-                return _Field(name, "str", dtype, tuple(shape[1:]), None, heap), shape[0]
-            offset = self._checked_offset(dataset, where) if mapped else None
-            return _Field(name, "str", dtype, tuple(shape[1:]), offset), shape[0]
+        return external, plain and _maps_exactly(dataset)  # NOTE [ Mapped bytes are h5py's ...
+
+    def _string_field(
+        self, dataset: h5py.Dataset, name: str, where: str, external: bool, mapped: bool
+    ) -> _Field:
+        """Fixed-length strings may be mapped, variable-length ones never; both decoded as
+        h5py's ``asstr()`` decodes them (NOTE [ Strings decoded as h5py decodes them ])."""
+        shape, dtype = dataset.shape, dataset.dtype
+        encoding = h5py.check_string_dtype(dtype).encoding
+        if dtype.kind != "S":  # NOTE [ Global heap checked before h5py ]
+            contiguous = dataset.id.get_create_plist().get_layout() == h5py.h5d.CONTIGUOUS
+            heap = self._heap_ids(dataset, where) if contiguous and not external else None
+            return _Field(name, "str", dtype, tuple(shape[1:]), None, heap, encoding=encoding)
+        offset = self._checked_offset(dataset, where) if mapped else None
+        return _Field(name, "str", dtype, tuple(shape[1:]), offset, encoding=encoding)
+
+    def _number_field(self, dataset: h5py.Dataset, name: str, where: str, mapped: bool) -> _Field:
+        """Numbers, bools and records of them; other types refused, naming the dataset."""
+        shape, dtype = dataset.shape, dataset.dtype
         if dtype.hasobject or h5py.check_vlen_dtype(dtype) is not None:
             raise PackError(
                 f"{where} holds {dtype} values (variable-length or object), which cannot be "
@@ -291,7 +301,7 @@ class HDF5File(ForkSafeFile):
             )
         if dtype.kind not in "biufc" and not (dtype.kind == "V" and dtype.fields):
             raise PackError(f"{where} holds {dtype} values, which fastloader does not read")
-        row_bytes = _items(shape[1:]) * dtype.itemsize
+        row_bytes = items(shape[1:]) * dtype.itemsize
         if row_bytes > _MAX_INFLATION * self._identity[2] + (1 << 20):
             raise PackError(
                 f"{where} declares rows of {row_bytes} bytes in a file of {self._identity[2]} "
@@ -299,7 +309,7 @@ class HDF5File(ForkSafeFile):
             )
         kind = "scalar" if len(shape) == 1 and dtype.fields is None else "array"
         offset = self._checked_offset(dataset, where) if mapped else None
-        return _Field(name, kind, dtype, tuple(shape[1:]), offset), shape[0]
+        return _Field(name, kind, dtype, tuple(shape[1:]), offset)
 
     def _through_external_link(self, file: h5py.File, name: str) -> bool:
         parts = name.split("/")
@@ -311,30 +321,18 @@ class HDF5File(ForkSafeFile):
 
     def _heap_ids(self, dataset: h5py.Dataset, where: str) -> int | None:
         """Where a contiguous variable-length dataset's heap IDs start, checked to lie in the
-        file; None if unwritten or not of 16-byte IDs (NOTE [ Global heap checked before
-        h5py ])."""
-        offset, count = dataset.id.get_offset(), _items(dataset.shape)
-        if offset is None or dataset.id.get_storage_size() != count * HEAP_ID_SIZE:
+        file; None if unwritten or of IDs other than 16 bytes (a file of 4-byte addresses),
+        unchecked (NOTE [ Global heap checked before h5py ])."""
+        offset, count = dataset.id.get_offset(), items(dataset.shape)
+        if offset is None or dataset.file.id.get_create_plist().get_sizes()[0] != 8:
             return None
-        if offset + count * HEAP_ID_SIZE > self._identity[2]:
-            raise PackError(f"{where}: truncated or damaged file (its heap IDs lie past its end)")
+        stored, size = dataset.id.get_storage_size(), self._identity[2]
+        if stored != count * HEAP_ID_SIZE or offset + count * HEAP_ID_SIZE > size:
+            raise PackError(
+                f"{where}: truncated or damaged file ({stored} bytes of heap IDs at offset "
+                f"{offset} for {count} strings of {HEAP_ID_SIZE}; the file has {size})"
+            )
         return offset
-
-    def _check_heap(self, handle: _Handle, field: _Field, rows: np.ndarray, count: int) -> None:
-        """Check the heap IDs of ``rows`` (of ``count``) not checked yet in this process."""
-        if field.heap_ids is None:
-            return
-        seen = handle.heap_rows.get(field.name)
-        if seen is None:
-            seen = handle.heap_rows[field.name] = np.zeros(count, dtype=bool)
-        rows = rows[~seen[rows]]
-        if not len(rows):
-            return
-        per_row = _items(field.row_shape)
-        problem = check_heap_ids(handle.map, field.heap_ids, rows, per_row, handle.heaps)
-        if problem is not None:
-            raise PackError(f"{self.path}: dataset {field.name!r} is damaged ({problem})")
-        seen[rows] = True
 
     def _checked_offset(self, dataset: h5py.Dataset, where: str) -> int | None:
         """Where a contiguous dataset's bytes start, checked to lie inside the file."""
@@ -384,16 +382,16 @@ class HDF5File(ForkSafeFile):
                 raise
             except Exception as error:  # noqa: BLE001 - h5py on a damaged file: anything
                 raise PackError(
-                    f"{self.path}: reading dataset {field.name!r} failed ({_short(error)})"
+                    f"{self.path}: reading dataset {field.name!r} failed ({short_error(error)})"
                 ) from None
         return columns
 
-    def _column(self, handle: _Handle, field: _Field, rows: np.ndarray, later: bool) -> Any:
+    def _column(self, handle: FileHandle, field: _Field, rows: np.ndarray, later: bool) -> Any:
         if field.offset is not None:
             mapped = handle.mapped.get(field.name)
             if mapped is None:  # made once per open file
                 mapped = handle.mapped[field.name] = np.frombuffer(
-                    handle.map, field.dtype, self._count * _items(field.row_shape), field.offset
+                    handle.map, field.dtype, self._count * items(field.row_shape), field.offset
                 ).reshape((self._count, *field.row_shape))
             if (
                 later
@@ -404,19 +402,28 @@ class HDF5File(ForkSafeFile):
                 return MappedRows(mapped, rows)
             values = mapped[rows]  # one gather, a copy: NOTE [ Mapped rows ]
         else:
-            self._check_heap(handle, field, rows, self._count)
+            handle.check_heap(field, rows, self._count)
+            handle.check_chunks(field, rows, self._count)
             values = self._read_sorted(handle.dataset(field.name), rows)
         if field.kind == "str":  # a str per row; a nested list of str for (N, k, ...) rows
-            texts = values.tolist()
-            try:  # rows of one bytes string each, the usual: decoded without _text's checks
-                return [text.decode("utf-8", "surrogateescape") for text in texts]
-            except AttributeError:
-                return [_text(value) for value in texts]
+            return self._texts(field, values, rows)
         if not values.dtype.isnative and values.dtype.fields is None:  # torch wants native
             values = values.astype(values.dtype.newbyteorder("="))
         if field.kind == "scalar":
             return values.tolist()
         return values
+
+    def _texts(self, field: _Field, values: np.ndarray, rows: np.ndarray) -> list:
+        """String rows as str, or a PackError naming the sample whose bytes h5py's
+        ``asstr()`` would not decode (NOTE [ Strings decoded as h5py decodes them ])."""
+        try:
+            return decode_column(values.tolist(), field.encoding)
+        except TextError as bad:
+            raise PackError(
+                f"{self.path}: dataset {field.name!r}, sample {int(rows[bad.at])}: not "
+                f"{field.encoding} text as the dataset declares ({short_error(bad.error)}; h5py's "
+                f"asstr() raises UnicodeDecodeError too)"
+            ) from None
 
     def _read_sorted(self, dataset: h5py.Dataset, rows: np.ndarray) -> np.ndarray:
         """``dataset[rows]`` in one h5py read: HDF5 wants increasing, distinct indices."""
@@ -454,30 +461,14 @@ class HDF5File(ForkSafeFile):
                 f"truncated or replaced): create the dataset again"
             )
 
-    def _open(self) -> _Handle:
-        return _Handle(self.path, self._identity[2])
+    def _open(self) -> FileHandle:
+        return FileHandle(self.path, self._identity[2])
 
-    def _close_handle(self, handle: _Handle) -> None:
+    def _close_handle(self, handle: FileHandle) -> None:
         handle.close()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.path)!r}, {len(self)} samples, {self.field_names})"
-
-
-def _items(shape: tuple[int, ...]) -> int:
-    return math.prod(int(size) for size in shape)  # Python ints: np.prod cost 5 us a call
-
-
-def _text(value: Any) -> str | list:
-    """A string row (``tolist()`` of it) as str: bytes decoded; rows of several strings
-    (a ``(N, 2)`` dataset) as a list of str, nested as the row's shape."""
-    if isinstance(value, (list, tuple)):
-        return [_text(item) for item in value]
-    if isinstance(value, np.ndarray):  # a variable-length string row h5py gives as objects
-        return _text(value.tolist())
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "surrogateescape")
-    return str(value)
 
 
 def _in_file(dataset: h5py.Dataset, file: h5py.File) -> bool:
