@@ -46,6 +46,7 @@ import numpy as np
 import xxhash
 
 from benchmarks.fuzz import run_trials
+from fastloader.formats.hdf5_text import TEXT_CODEC
 
 OUTCOMES = ("correct or PackError", "silently wrong", "other exception", "crashed")
 NOTES = ("of which refused", "the library died")
@@ -194,9 +195,9 @@ def _h5py_reading(path: str) -> dict:
             value = column[row]
             if isinstance(value, np.ndarray) and value.dtype.kind in "OS":
                 value = value.tolist()
-            if codecs.get(name):  # a string: as h5py's asstr() decodes it, or no reading
+            if codecs.get(name):  # a string: as asstr() decodes it (ASCII as UTF-8), or none
                 try:
-                    value = value.decode(codecs[name])
+                    value = value.decode(TEXT_CODEC)
                 except UnicodeDecodeError:
                     digests.append("error")
                     continue

@@ -66,7 +66,7 @@ import numpy as np
 from fastloader.formats.hdf5_chunks import ChunkLayout, chunk_layout, index_problem
 from fastloader.formats.hdf5_handle import FileHandle, items, short_error
 from fastloader.formats.hdf5_heap import HEAP_ID_SIZE
-from fastloader.formats.hdf5_text import TextError, decode_column
+from fastloader.formats.hdf5_text import TEXT_CODEC, TextError, decode_column
 from fastloader.formats.mapped_rows import MappedRows
 from fastloader.formats.packfile import ForkSafeFile, check_file, file_identity, sample_row
 from fastloader.formats.records import PackError
@@ -417,12 +417,12 @@ class HDF5File(ForkSafeFile):
         """String rows as str, or a PackError naming the sample whose bytes h5py's
         ``asstr()`` would not decode (NOTE [ Strings decoded as h5py decodes them ])."""
         try:
-            return decode_column(values.tolist(), field.encoding)
+            return decode_column(values.tolist())
         except TextError as bad:
             raise PackError(
                 f"{self.path}: dataset {field.name!r}, sample {int(rows[bad.at])}: not "
-                f"{field.encoding} text as the dataset declares ({short_error(bad.error)}; h5py's "
-                f"asstr() raises UnicodeDecodeError too)"
+                f"{TEXT_CODEC} text (the dataset declares {field.encoding}; "
+                f"{short_error(bad.error)}; h5py's asstr() raises UnicodeDecodeError too)"
             ) from None
 
     def _read_sorted(self, dataset: h5py.Dataset, rows: np.ndarray) -> np.ndarray:

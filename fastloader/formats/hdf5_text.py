@@ -6,15 +6,21 @@ bytes; its ``dataset.asstr()`` decodes them with the declared codec, strictly, r
 UnicodeDecodeError on bytes that are not of it. fastloader gives the str ``asstr()`` gives, or
 a PackError naming the file, the dataset and the sample where ``asstr()`` raises: never a str
 carrying lone surrogates (what ``surrogateescape`` made of invalid bytes, issue 39: the
-sample ``'t\\udceb2é'`` failed later, far from the read). So ASCII strings holding other bytes
-(a NumPy ``S`` array of UTF-8 text is stored as ASCII) are refused, as ``asstr()`` refuses them.
+sample ``'t\\udceb2é'`` failed later, far from the read).
+
+One widening, kept from earlier releases: strings declared ASCII are decoded as UTF-8 (ASCII's
+superset). A NumPy ``S`` array of UTF-8 text is stored as ASCII, and users' files of names
+written that way read as their text (where ``asstr()`` would raise); for ASCII bytes both
+readings agree. So the one codec is ``TEXT_CODEC`` and only bytes that are not UTF-8 raise.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["TextError", "decode_column"]
+__all__ = ["TEXT_CODEC", "TextError", "decode_column"]
+
+TEXT_CODEC = "utf-8"  # for both declared charsets: see the NOTE above
 
 
 class TextError(ValueError):
@@ -26,9 +32,9 @@ class TextError(ValueError):
         self.error = error
 
 
-def decode_column(texts: list, encoding: str) -> list:
+def decode_column(texts: list, encoding: str = TEXT_CODEC) -> list:
     """``texts`` (``tolist()`` of string rows: bytes, or nested lists of bytes for rows of
-    several strings) as str, decoded strictly with ``encoding`` ("ascii" or "utf-8").
+    several strings) as str, decoded strictly with ``encoding``.
 
     Raises:
         TextError: naming the first row that does not decode.
