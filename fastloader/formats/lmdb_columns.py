@@ -6,7 +6,8 @@ the file at the span of its key (NOTE [ Packs laid out by columns ] in column_la
 
 from __future__ import annotations
 
-from fastloader.formats.column_layout import SEGMENT_BYTES, ColumnSpool, column_key
+from fastloader.formats import column_layout
+from fastloader.formats.column_layout import ColumnSpool, column_key
 from fastloader.formats.lmdb import (
     _METADATA_KEY,
     _SOURCE_OFFSETS_KEY,
@@ -33,7 +34,7 @@ class LMDBColumnWriter(LMDBWriter):
     def close(self) -> None:
         """Write every column part, the source paths and the metadata: now complete."""
         small = {}
-        for name, segment, data in self._spool.parts(SEGMENT_BYTES):
+        for name, segment, data in self._spool.parts(column_layout.SEGMENT_BYTES):
             self._write(column_key(name, segment), memoryview(data))
             if name.endswith(".data"):
                 self._commit()  # a segment's pages, and no more, held in memory
