@@ -111,28 +111,37 @@ def load_column_samples(
     return out
 
 
-def read_columns(dataset: Any, indices: Sequence[int]) -> ColumnBatch | None:
-    """The samples ``indices`` as a ``ColumnBatch``, or None where they need per-sample work
-    (NOTE [ One meaning per argument ]): fixed fields are gathered by rows, images as
-    ``decode`` says ("tensor": CHW)."""
+def _by_columns(dataset: Any) -> bool:
+    """Whether the dataset's batches can be read by column (NOTE [ One meaning per argument ])."""
     if (
         dataset.layout != "columns"
-        or not len(indices)
         or dataset.schema["structure"] != "dict"
         or dataset.transform is not None
         or dataset.image_transform is not None
         or dataset.sample_transform is not None
         or dataset.with_geometry
     ):
+        return False
+    columns = dataset.metadata["columns"]["fields"]
+    images = [
+        column
+        for field, column in zip(dataset.schema["fields"], columns, strict=True)
+        if field["kind"] == "image"
+    ]
+    if not images:
+        return True
+    fixed = all(column["storage"] == "fixed" for column in images)
+    return fixed and dataset.decode in ("numpy", "tensor")
+
+
+def read_columns(dataset: Any, indices: Sequence[int]) -> ColumnBatch | None:
+    """The samples ``indices`` as a ``ColumnBatch``, or None where they need per-sample work
+    (NOTE [ One meaning per argument ]): fixed fields are gathered by rows, images as
+    ``decode`` says ("tensor": CHW)."""
+    if not len(indices) or not _by_columns(dataset):
         return None
     fields = dataset.schema["fields"]
-    columns = dataset.metadata["columns"]["fields"]
     images = [number for number, field in enumerate(fields) if field["kind"] == "image"]
-    if images and (
-        dataset.decode not in ("numpy", "tensor")
-        or any(columns[number]["storage"] != "fixed" for number in images)
-    ):
-        return None
     rows = checked_rows(indices, len(dataset), dataset.path)
     table = dataset.column_table()
     if dataset.verify_checksums:

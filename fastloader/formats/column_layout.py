@@ -151,22 +151,24 @@ def _check_column(field: dict, column: Any, where: str) -> None:
             raise PackError(f"{where}: field {name!r} ragged)")
         return
     shape = column.get("shape")
-    if not isinstance(shape, list) or not all(
-        isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 40 for n in shape
-    ):
+    if not isinstance(shape, list) or not all(map(_is_length, shape)):
         raise PackError(f"{where}: field {name!r} has a bad shape)")
     kind = field["kind"]
-    expected = {
-        "array": (field.get("dtype"), field.get("ndim")),
-        "image": ("|u1", 3),
-        **{scalar: (dtype, 0) for scalar, dtype in _SCALAR_DTYPES.items()},
-    }.get(kind)
-    if expected is None or column.get("dtype") != expected[0] or len(shape) != expected[1]:
+    expected = _FIXED.get(kind) or (field.get("dtype"), field.get("ndim"))
+    if column.get("dtype") != expected[0] or len(shape) != expected[1]:
         raise PackError(f"{where}: field {name!r} cannot be fixed as {column.get('dtype')})")
     if kind == "image" and shape[2] not in (1, 3, 4):
         raise PackError(f"{where}: field {name!r} has a bad image shape)")
     if row_bytes(column) > 1 << 40:
         raise PackError(f"{where}: field {name!r} has rows too large)")
+
+
+#: The (dtype, ndim) of a fixed column of each kind but ``array`` (the schema's).
+_FIXED = {"image": ("|u1", 3), **{kind: (dtype, 0) for kind, dtype in _SCALAR_DTYPES.items()}}
+
+
+def _is_length(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 40
 
 
 class _FieldSpool:
