@@ -138,21 +138,38 @@ def read_columns(dataset: Any, indices: Sequence[int]) -> ColumnBatch | None:
     """The samples ``indices`` as a ``ColumnBatch``, or None where they need per-sample work
     (NOTE [ One meaning per argument ]): fixed fields are gathered by rows, images as
     ``decode`` says ("tensor": CHW)."""
-    if not len(indices) or not _by_columns(dataset):
+    key = (
+        dataset.transform,
+        dataset.image_transform,
+        dataset.sample_transform,
+        dataset.with_geometry,
+        dataset.decode,
+    )
+    plan = dataset.__dict__.get("_columns_plan")
+    if plan is None or plan[0] != key:  # planned once per dataset and arguments
+        plan = dataset._columns_plan = (key, _plan_columns(dataset))
+    names = plan[1]
+    if names is None or not len(indices):
         return None
-    fields = dataset.schema["fields"]
-    images = [number for number, field in enumerate(fields) if field["kind"] == "image"]
     rows = checked_rows(indices, len(dataset), dataset.path)
     table = dataset.column_table()
     if dataset.verify_checksums:
         table.check_rows(rows)
-    batch = {}
-    for number, field in enumerate(fields):
-        column = table.batch(number, rows)
-        if number in images and dataset.decode == "tensor":
-            column = np.ascontiguousarray(gathered(column).transpose(0, 3, 1, 2))
-        batch[field["name"]] = column
+    batch = {name: table.batch(number, rows) for number, (name, _) in enumerate(names)}
+    for name, chw in names:
+        if chw:
+            batch[name] = np.ascontiguousarray(gathered(batch[name]).transpose(0, 3, 1, 2))
     return ColumnBatch(batch, len(rows))
+
+
+def _plan_columns(dataset: Any) -> list[tuple[str, bool]] | None:
+    """Each field's name and whether it is an image given as CHW; None: not by columns."""
+    if not _by_columns(dataset):
+        return None
+    tensors = dataset.decode == "tensor"
+    return [
+        (field["name"], tensors and field["kind"] == "image") for field in dataset.schema["fields"]
+    ]
 
 
 class _FieldsReader:

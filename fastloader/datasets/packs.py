@@ -148,6 +148,7 @@ class PackedDataset(PackFile, Dataset):
     def __getstate__(self) -> dict[str, Any]:
         state = PackFile.__getstate__(self)
         state.pop("_fields_reader", None)  # planned again where it is read (closures inside)
+        state.pop("_columns_plan", None)  # holds the transforms: planned again too
         return state
 
     def apply_transforms(self, sample: tuple[Any, int]) -> tuple[Any, Any]:

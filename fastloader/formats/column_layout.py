@@ -36,6 +36,7 @@ The metadata says ``"layout": "columns"`` and describes each column under ``"col
 from __future__ import annotations
 
 import mmap
+import re
 import struct
 import tempfile
 from array import array
@@ -67,6 +68,8 @@ MAX_ROWS_PER_BLOCK = 1 << 16
 SEGMENT_BYTES = 256 << 20
 _SCALAR_DTYPES = {"int": "<i8", "float": "<f8", "bool": "|b1"}
 _IMAGE_HEAD = 16
+_TEXTS = ("str", "bytes")
+MAX_TEXT_WIDTH = 1 << 12
 _RAW = 1
 
 
@@ -155,7 +158,11 @@ def _check_column(field: dict, column: Any, where: str) -> None:
         raise PackError(f"{where}: field {name!r} has a bad shape)")
     kind = field["kind"]
     expected = _FIXED.get(kind) or (field.get("dtype"), field.get("ndim"))
-    if column.get("dtype") != expected[0] or len(shape) != expected[1]:
+    if kind in _TEXTS:
+        expected = (
+            (column.get("dtype"), 0) if _TEXT_DTYPE.fullmatch(str(column.get("dtype"))) else ()
+        )
+    if not expected or column.get("dtype") != expected[0] or len(shape) != expected[1]:
         raise PackError(f"{where}: field {name!r} cannot be fixed as {column.get('dtype')})")
     if kind == "image" and shape[2] not in (1, 3, 4):
         raise PackError(f"{where}: field {name!r} has a bad image shape)")
@@ -163,6 +170,7 @@ def _check_column(field: dict, column: Any, where: str) -> None:
         raise PackError(f"{where}: field {name!r} has rows too large)")
 
 
+_TEXT_DTYPE = re.compile(r"\|S([1-9][0-9]{0,3})")
 #: The (dtype, ndim) of a fixed column of each kind but ``array`` (the schema's).
 _FIXED = {"image": ("|u1", 3), **{kind: (dtype, 0) for kind, dtype in _SCALAR_DTYPES.items()}}
 
@@ -183,6 +191,8 @@ class _FieldSpool:
         self.ends = array("q", [0])
         self.same_lengths = True
         self.body = tempfile.TemporaryFile(dir=folder, prefix=".fastloader-column.")
+        self.longest = 0  # bytes of the longest value
+        self.nul_end = False  # a value ends with a NUL byte (cannot be padded with NULs)
 
     def add(self, value: memoryview) -> None:
         head, body = bytes(value[: self.head]), value[self.head :]
@@ -192,6 +202,10 @@ class _FieldSpool:
             self.same_heads = False
         if len(self.ends) > 1 and len(body) != self.ends[1]:
             self.same_lengths = False
+        if len(body) > self.longest:
+            self.longest = len(body)
+        if body[-1:] == b"\0":
+            self.nul_end = True
         self.heads += head
         self.body.write(body)
         self.ends.append(self.ends[-1] + len(body))
@@ -201,6 +215,8 @@ class _FieldSpool:
         kind, head = self.field["kind"], self.first_head or b""
         if kind in _SCALAR_DTYPES:
             return {"storage": "fixed", "dtype": _SCALAR_DTYPES[kind], "shape": []}
+        if kind in _TEXTS and self._padded():
+            return {"storage": "fixed", "dtype": f"|S{max(self.longest, 1)}", "shape": []}
         if not (self.same_heads and self.same_lengths):
             return {"storage": "ragged"}
         if kind == "array":
@@ -210,6 +226,24 @@ class _FieldSpool:
             height, width, channels = struct.unpack_from("<III", head, 4)
             return {"storage": "fixed", "dtype": "|u1", "shape": [height, width, channels]}
         return {"storage": "ragged"}
+
+    def _padded(self) -> bool:
+        """Whether str or bytes values are stored NUL-padded to the longest (NumPy's ``S``
+        dtype: a batch is one gather, as a user's fixed-length strings): when no value ends
+        with NUL and padding costs no more than offsets would."""
+        count = len(self.ends) - 1
+        fits = max(self.longest, 1) * count <= self.ends[-1] + 8 * count
+        return fits and not self.nul_end and self.longest <= MAX_TEXT_WIDTH
+
+    def stored(self, column: dict) -> tuple[np.ndarray, np.ndarray]:
+        """The bytes of the column as stored, and each row's end in them."""
+        ends = np.frombuffer(self.ends, np.int64)
+        if not (column["storage"] == "fixed" and self.field["kind"] in _TEXTS):
+            return self.data(), ends
+        width = np.dtype(column["dtype"]).itemsize
+        padded = np.zeros((len(ends) - 1, width), np.uint8)
+        padded[np.arange(width) < np.diff(ends)[:, None]] = self.data()
+        return padded.reshape(-1), np.arange(len(ends), dtype=np.int64) * width
 
     def data(self) -> np.ndarray:
         """The bodies back to back, mapped from the temporary file."""
@@ -251,12 +285,13 @@ class ColumnSpool:
         """``(part name, segment, bytes)`` of every part; ``segment_bytes`` None: one segment
         per field (HDF5). Sets ``layout`` first."""
         columns = [spool.column() for spool in self.fields]
-        block = _rows_per_block(self.fields, columns, self.count)
-        segment = _rows_per_segment(self.fields, block, self.count, segment_bytes)
+        stored = [spool.stored(column) for spool, column in zip(self.fields, columns, strict=True)]
+        all_ends = [ends for _, ends in stored]
+        block = _rows_per_block(all_ends, self.count)
+        segment = _rows_per_segment(all_ends, block, self.count, segment_bytes)
         self.layout = {"rows_per_block": block, "rows_per_segment": segment, "fields": columns}
         for number, (spool, column) in enumerate(zip(self.fields, columns, strict=True)):
-            data = spool.data()
-            ends = np.frombuffer(spool.ends, np.int64)
+            data, ends = stored[number]
             yield from _data_segments(number, data, ends, segment, self.count)
             sums = [
                 block_sum(data[ends[start] : ends[min(start + block, self.count)]], number, at)
@@ -268,6 +303,7 @@ class ColumnSpool:
                 if spool.head:
                     yield part_name(number, "heads"), 0, np.frombuffer(spool.heads, np.uint8)
             del data
+            stored[number] = None
 
     def close(self) -> None:
         for spool in self.fields:
@@ -282,15 +318,15 @@ def _data_segments(
         yield part_name(number, "data"), at, data[ends[start] : ends[end]]
 
 
-def _rows_per_block(spools: list[_FieldSpool], columns: list[dict], count: int) -> int:
-    widest = max(spool.ends[-1] for spool in spools) / max(count, 1)
+def _rows_per_block(ends: list[np.ndarray], count: int) -> int:
+    widest = max(int(end[-1]) for end in ends) / max(count, 1)
     rows = 1
     while rows < MAX_ROWS_PER_BLOCK and rows * 2 * widest <= BLOCK_BYTES:
         rows *= 2
     return rows
 
 
-def _rows_per_segment(spools: list[_FieldSpool], block: int, count: int, limit: int | None) -> int:
+def _rows_per_segment(ends: list[np.ndarray], block: int, count: int, limit: int | None) -> int:
     """Rows per data segment: a multiple of the block, whose bytes stay within ``limit`` in
     every field (a single block may exceed it); every row in one segment without a limit."""
     whole = -(-max(count, 1) // block) * block
@@ -298,7 +334,6 @@ def _rows_per_segment(spools: list[_FieldSpool], block: int, count: int, limit: 
         return whole
     rows = whole
     while rows > block:
-        ends = [np.frombuffer(spool.ends, np.int64) for spool in spools]
         starts = np.arange(0, count, rows)
         stops = np.minimum(starts + rows, count)
         if all(int((end[stops] - end[starts]).max()) <= limit for end in ends):

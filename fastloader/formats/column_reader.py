@@ -34,6 +34,7 @@ from fastloader.formats.records import PackError
 
 __all__ = ["ColumnTable", "checked_rows"]
 
+_INTS = {int}
 #: ``part(name, segment)``: a part's bytes as a uint8 array (a view of the file), or None.
 PartReader = Callable[[str, int], "np.ndarray | None"]
 
@@ -45,6 +46,10 @@ def checked_rows(indices: Sequence[int] | np.ndarray, count: int, path: Path) ->
         IndexError: naming the file, for an index out of range.
         TypeError: for indices that are not integers.
     """
+    if type(indices) is list and indices and set(map(type, indices)) == _INTS:
+        rows = np.array(indices, dtype=np.int64)  # the loader's batches: one conversion
+        if rows.min() >= 0 and rows.max() < count:
+            return rows
     rows = np.asarray(indices)
     if rows.dtype.kind not in "iu" and len(rows):
         raise TypeError(f"indices must be integers, got {rows.dtype}")
@@ -71,6 +76,8 @@ class _Column:
         self.offsets: np.ndarray | None = None
         self.heads: np.ndarray | None = None
         self.sums = np.zeros(0, np.uint64)
+        self.views: dict[int, memoryview] = {}  # of each segment, made on first use
+        self.texts = self.fixed and field["kind"] in ("str", "bytes")  # NUL-padded
 
 
 class ColumnTable:
@@ -105,6 +112,7 @@ class ColumnTable:
         ]
         self.names = [column.name for column in self.columns]
         self.verified = np.zeros(self.blocks, dtype=bool)
+        self.unchecked = self.blocks  # blocks not checked yet
 
     def _part(self, part: PartReader, column: _Column, name: str, segment: int) -> np.ndarray:
         data = part(part_name(column.number, name), segment)
@@ -171,6 +179,8 @@ class ColumnTable:
         Raises:
             PackError: naming the file, the field and the rows of a damaged block.
         """
+        if not self.unchecked:  # every block checked in this process: nothing to look up
+            return
         blocks = rows // self.block
         todo = ~self.verified[blocks]
         if todo.any():
@@ -190,7 +200,9 @@ class ColumnTable:
                     f"{self.path}: damaged field {column.name!r} rows {start}-{stop - 1} "
                     f"(checksum mismatch: stored {stored:016x}, computed {actual:016x})"
                 )
-        self.verified[block] = True
+        if not self.verified[block]:
+            self.verified[block] = True
+            self.unchecked -= 1
 
     def _block_bytes(self, column: _Column, start: int, stop: int) -> np.ndarray:
         segment = start // self.segment
@@ -208,12 +220,21 @@ class ColumnTable:
         segment) or an array for a fixed field, a list of values for a ragged one."""
         column = self.columns[number]
         if not column.fixed:
+            if column.field["kind"] in ("str", "bytes"):
+                return self._texts(column, rows)
             return [self.value(number, row, _no_image) for row in rows.tolist()]
+        if column.texts:
+            return self._fixed_texts(column, rows)
+        if self.segments == 1:  # every row in one segment: HDF5, and most LMDB packs
+            source = column.rows[0]
+            if source.dtype.isnative:
+                return MappedRows(source, rows)
+            return source[rows].astype(source.dtype.newbyteorder("="))
         segments = rows // self.segment
         first = int(segments[0])
         if (segments == first).all():
             source = column.rows[first]
-            local = rows - first * self.segment if first else rows
+            local = rows - first * self.segment
             if source.dtype.isnative:
                 return MappedRows(source, local)
             return source[local].astype(source.dtype.newbyteorder("="))
@@ -224,6 +245,51 @@ class ColumnTable:
             at = segments == segment
             out[at] = column.rows[segment][rows[at] - segment * self.segment]
         return out
+
+    def _fixed_texts(self, column: _Column, rows: np.ndarray) -> list:
+        """A str or bytes field stored NUL-padded: one gather, then a value per row."""
+        segments = rows // self.segment
+        values = []
+        for segment in np.unique(segments).tolist() if self.segments > 1 else [0]:
+            at = rows if self.segments == 1 else rows[segments == segment]
+            values.append(column.rows[segment][at - segment * self.segment])
+        gathered = values[0] if len(values) == 1 else self._in_order(values, segments)
+        texts = gathered.tolist()
+        if column.field["kind"] == "bytes":
+            return texts
+        try:
+            return [text.decode("utf-8", "surrogatepass") for text in texts]
+        except UnicodeDecodeError:  # the error of the value that fails, naming it
+            return [self.value(column.number, row, _no_image) for row in rows.tolist()]
+
+    @staticmethod
+    def _in_order(values: list[np.ndarray], segments: np.ndarray) -> np.ndarray:
+        out = np.empty(len(segments), values[0].dtype)
+        for segment, chunk in zip(np.unique(segments).tolist(), values, strict=True):
+            out[segments == segment] = chunk
+        return out
+
+    def _texts(self, column: _Column, rows: np.ndarray) -> list:
+        """A str or bytes field's values of ``rows``: slices of the segment's bytes, decoded
+        as a record's field is (one object per value: what the collate makes a list of)."""
+        segments = rows // self.segment
+        first = int(segments[0])
+        if not (segments == first).all():
+            return [self.value(column.number, row, _no_image) for row in rows.tolist()]
+        view = column.views.get(first)
+        if view is None:
+            view = column.views[first] = memoryview(column.raw[first])
+        base = column.offsets[first * self.segment]
+        starts = (column.offsets[rows] - base).tolist()
+        ends = (column.offsets[rows + 1] - base).tolist()
+        if column.field["kind"] == "bytes":
+            return [bytes(view[a:b]) for a, b in zip(starts, ends, strict=True)]
+        try:
+            return [
+                str(view[a:b], "utf-8", "surrogatepass") for a, b in zip(starts, ends, strict=True)
+            ]
+        except UnicodeDecodeError:  # the error of the value that fails, naming it
+            return [self.value(column.number, row, _no_image) for row in rows.tolist()]
 
     def value(self, number: int, row: int, image: Callable) -> Any:
         """Field ``number`` of row ``row`` (checked), as a read of a FIELDS record gives it;
@@ -239,6 +305,8 @@ class ColumnTable:
                 return image(
                     IMAGE_RAW, tuple(column.column["shape"]), memoryview(value), column.name
                 )
+            if kind == "str":
+                return self.decoders[number](memoryview(value.item()), where, image)
             if kind != "array":
                 return value.item()
             return value.astype(value.dtype.newbyteorder("="))  # a copy, as a record's read
