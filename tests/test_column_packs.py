@@ -205,3 +205,46 @@ def test_packs_of_the_records_layout_still_open_and_read_the_same(pose, tmp_path
         _assert_same_batch(got, want)
     with pytest.raises(ValueError, match="layout must be one of"):
         pack(pose, tmp_path / f"x{suffix}", layout="rows")
+
+
+def _reseal(path, suffix, change) -> None:
+    """Rewrite a pack's metadata with ``change``, its checksum made right again (as a crafted
+    file would)."""
+    import json
+
+    import lmdb
+
+    from fastloader.formats.metadata import _canonical, array_checksum
+
+    def changed(raw: bytes) -> bytes:
+        metadata = change(json.loads(raw))
+        metadata["checksum"] = array_checksum(_canonical(metadata))
+        return json.dumps(metadata).encode()
+
+    if suffix == ".lmdb":
+        env = lmdb.open(str(path), subdir=False, lock=False)
+        with env.begin(write=True) as txn:
+            txn.put(b"__metadata__", changed(txn.get(b"__metadata__")))
+        env.close()
+    else:
+        with h5py.File(path, "r+") as file:
+            raw = changed(file["metadata"][()].tobytes())
+            del file["metadata"]
+            file["metadata"] = np.frombuffer(raw, dtype=np.uint8)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda m: {**m, "count": 1 << 40}, "corrupt"),  # nothing allocated for 2**40 rows
+        (lambda m: {**m, "columns": {**m["columns"], "rows_per_segment": 8}}, "corrupt"),
+        (lambda m: {**m, "columns": {**m["columns"], "rows_per_block": 3}}, "rows per block"),
+        (lambda m: {k: v for k, v in m.items() if k != "columns"}, "no columns"),
+    ],
+)
+def test_crafted_column_metadata_is_refused(tmp_path, suffix, change, match):
+    path = tmp_path / f"det{suffix}"
+    pack(Detection(6), path, store="raw", workers=0)
+    _reseal(path, suffix, change)
+    with pytest.raises(PackError, match=match):
+        OPEN[suffix](path)

@@ -56,7 +56,7 @@ __all__ = [
     "block_seed",
     "check_columns",
     "column_key",
-    "column_keys",
+    "column_key_count",
     "part_name",
 ]
 
@@ -83,20 +83,20 @@ def column_key(name: str, segment: int) -> bytes:
     return b"col:" + name.encode() + b":" + struct.pack(">I", segment)
 
 
-def column_keys(metadata: dict) -> list[bytes]:
-    """Every LMDB key of a pack laid out by columns, from its metadata."""
+def column_key_count(metadata: dict) -> int:
+    """How many LMDB keys (``column_key``) a pack laid out by columns has, counted from its
+    metadata without making them (a damaged count must not make a list the file's size does
+    not justify)."""
     layout = metadata["columns"]
     segments = -(-metadata["count"] // layout["rows_per_segment"])
-    keys = []
-    for number, column in enumerate(layout["fields"]):
-        keys += [column_key(f"col{number}.data", at) for at in range(segments)]
-        keys.append(column_key(f"col{number}.sums", 0))
-        if column["storage"] == "ragged":
-            keys.append(column_key(f"col{number}.offsets", 0))
-            field = metadata["schema"]["fields"][number]
-            if field["kind"] in ("array", "image"):
-                keys.append(column_key(f"col{number}.heads", 0))
-    return keys
+    fields = metadata["schema"]["fields"]
+    ragged = [
+        field["kind"]
+        for field, column in zip(fields, layout["fields"], strict=True)
+        if column["storage"] == "ragged"
+    ]
+    heads = sum(kind in ("array", "image") for kind in ragged)
+    return len(fields) * (segments + 1) + len(ragged) + heads
 
 
 def block_seed(field: int, block: int) -> int:

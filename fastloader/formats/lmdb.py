@@ -23,7 +23,7 @@ import lmdb
 import numpy as np
 
 from fastloader.formats.advice import ReadAdvice
-from fastloader.formats.column_layout import column_key, column_keys
+from fastloader.formats.column_layout import column_key, column_key_count
 from fastloader.formats.lmdb_checks import (
     LeafDamaged,
     RecordSpans,
@@ -217,7 +217,7 @@ class LMDBPack(PackFile):
                 raw = self._get(handle, txn, _METADATA_KEY, "the metadata")
                 metadata = load_metadata(None if raw is None else bytes(raw), self.path, "lmdb")
                 if "columns" in metadata:
-                    targets = np.zeros(metadata["count"], np.int64)
+                    targets = None  # no labels: NOTE [ Packs laid out by columns ]
                 else:
                     raw_targets = self._get(handle, txn, _TARGETS_KEY, "the labels")
                     if raw_targets is None or len(raw_targets) % 8:
@@ -233,9 +233,7 @@ class LMDBPack(PackFile):
         sources = 2 if metadata["sources"] else 0
         if "columns" in metadata:
             self.metadata = metadata  # the table reads it
-            expected = len(column_keys(metadata)) + 1 + sources
-            self._column_table(handle)  # every part checked when the dataset is made
-            targets = np.broadcast_to(np.int64(0), (metadata["count"],))
+            expected = column_key_count(metadata) + 1 + sources
         else:
             expected = metadata["count"] + 2 + sources
         if entries != expected:
@@ -243,6 +241,9 @@ class LMDBPack(PackFile):
                 f"{self.path}: corrupt pack ({entries} LMDB entries for {metadata['count']} "
                 f"records)"
             )
+        if "columns" in metadata:
+            self._column_table(handle)  # every part checked when the dataset is made
+            targets = np.broadcast_to(np.int64(0), (metadata["count"],))
         if "columns" in metadata:
             return metadata, targets
         return metadata, check_targets(targets, metadata, self.path)
