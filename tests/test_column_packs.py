@@ -248,3 +248,38 @@ def test_crafted_column_metadata_is_refused(tmp_path, suffix, change, match):
     _reseal(path, suffix, change)
     with pytest.raises(PackError, match=match):
         OPEN[suffix](path)
+
+
+class Scalars:
+    """Fixed fields of every kind: numbers, bools, padded strings and bytes, a 0-d array."""
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, index):
+        return {
+            "i": index * 7 - 100,
+            "f": index / 3,
+            "b": index % 3 == 0,
+            "s": f"n{index % 4}é",
+            "raw": bytes([index + 1, 0, index + 1]),  # ends in a byte that is not NUL
+            "zero_d": np.array(index / 5, np.float32),
+        }
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_by_column_equal_batches_of_samples_for_every_fixed_kind(tmp_path, workers):
+    path = tmp_path / "scalars.h5"
+    pack(Scalars(), path, workers=0)
+    columns = read_metadata(path)["columns"]["fields"]
+    assert [column["storage"] for column in columns] == ["fixed"] * 6
+    by_columns = HDF5Dataset(path)
+    by_samples = HDF5Dataset(path, transform=lambda sample: sample)  # per-sample reads
+    loaders = [
+        DataLoader(dataset, batch_size=16, shuffle=True, seed=2, num_workers=workers)
+        for dataset in (by_columns, by_samples)
+    ]
+    for got, want in zip(*loaders, strict=True):
+        _assert_same_batch(got, want)
+    assert by_columns[5] == {**Scalars()[5], "zero_d": by_columns[5]["zero_d"]}
+    assert by_columns[5]["zero_d"].shape == () and by_columns[5]["zero_d"] == np.float32(1.0)
