@@ -262,6 +262,7 @@ class Scalars:
             "f": index / 3,
             "b": index % 3 == 0,
             "s": f"n{index % 4}é",
+            "ascii": f"plain{index}",  # decoded by NumPy in one call
             "raw": bytes([index + 1, 0, index + 1]),  # ends in a byte that is not NUL
             "zero_d": np.array(index / 5, np.float32),
         }
@@ -272,7 +273,7 @@ def test_batches_by_column_equal_batches_of_samples_for_every_fixed_kind(tmp_pat
     path = tmp_path / "scalars.h5"
     pack(Scalars(), path, workers=0)
     columns = read_metadata(path)["columns"]["fields"]
-    assert [column["storage"] for column in columns] == ["fixed"] * 6
+    assert [column["storage"] for column in columns] == ["fixed"] * 7
     by_columns = HDF5Dataset(path)
     by_samples = HDF5Dataset(path, transform=lambda sample: sample)  # per-sample reads
     loaders = [

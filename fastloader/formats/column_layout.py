@@ -157,11 +157,7 @@ def _check_column(field: dict, column: Any, where: str) -> None:
     if not isinstance(shape, list) or not all(map(_is_length, shape)):
         raise PackError(f"{where}: field {name!r} has a bad shape)")
     kind = field["kind"]
-    expected = _FIXED.get(kind) or (field.get("dtype"), field.get("ndim"))
-    if kind in _TEXTS:
-        expected = (
-            (column.get("dtype"), 0) if _TEXT_DTYPE.fullmatch(str(column.get("dtype"))) else ()
-        )
+    expected = _expected_fixed(field, column)
     if not expected or column.get("dtype") != expected[0] or len(shape) != expected[1]:
         raise PackError(f"{where}: field {name!r} cannot be fixed as {column.get('dtype')})")
     if kind == "image" and shape[2] not in (1, 3, 4):
@@ -173,6 +169,14 @@ def _check_column(field: dict, column: Any, where: str) -> None:
 _TEXT_DTYPE = re.compile(r"\|S([1-9][0-9]{0,3})")
 #: The (dtype, ndim) of a fixed column of each kind but ``array`` (the schema's).
 _FIXED = {"image": ("|u1", 3), **{kind: (dtype, 0) for kind, dtype in _SCALAR_DTYPES.items()}}
+
+
+def _expected_fixed(field: dict, column: dict) -> tuple:
+    """The (dtype, ndim) a fixed column of ``field`` must have; () if it cannot be fixed."""
+    if field["kind"] in _TEXTS:  # NUL-padded to one width: any |S<n>
+        dtype = str(column.get("dtype"))
+        return (dtype, 0) if _TEXT_DTYPE.fullmatch(dtype) else ()
+    return _FIXED.get(field["kind"]) or (field.get("dtype"), field.get("ndim"))
 
 
 def _is_length(value: Any) -> bool:

@@ -78,6 +78,8 @@ class _Column:
         self.sums = np.zeros(0, np.uint64)
         self.views: dict[int, memoryview] = {}  # of each segment, made on first use
         self.texts = self.fixed and field["kind"] in ("str", "bytes")  # NUL-padded
+        if self.texts:
+            self.unicode = np.dtype(("U", np.dtype(column["dtype"]).itemsize))
 
 
 class ColumnTable:
@@ -254,11 +256,14 @@ class ColumnTable:
             at = rows if self.segments == 1 else rows[segments == segment]
             values.append(column.rows[segment][at - segment * self.segment])
         gathered = values[0] if len(values) == 1 else self._in_order(values, segments)
-        texts = gathered.tolist()
         if column.field["kind"] == "bytes":
-            return texts
+            return gathered.tolist()
+        try:  # ASCII, the usual file names: decoded by NumPy in one call
+            return gathered.astype(column.unicode).tolist()
+        except UnicodeDecodeError:
+            pass
         try:
-            return [text.decode("utf-8", "surrogatepass") for text in texts]
+            return [text.decode("utf-8", "surrogatepass") for text in gathered.tolist()]
         except UnicodeDecodeError:  # the error of the value that fails, naming it
             return [self.value(column.number, row, _no_image) for row in rows.tolist()]
 
