@@ -316,8 +316,9 @@ class HDF5ColumnWriter(HDF5Writer):
     errors as ``PackWriter``."""
 
     def _open(self) -> None:
-        # rows of a fixed field aligned for any dtype: gathers read whole cache lines
-        self._file = h5py.File(self.path, "x", alignment_threshold=4096, alignment_interval=64)
+        # a column's rows start on a page: aligned for any dtype, a row spans no more pages
+        # than its size needs (a row of 12 KiB: 3, not 4)
+        self._file = h5py.File(self.path, "x", alignment_threshold=4096, alignment_interval=4096)
         self._spool = None
 
     def _put(self, record: bytes) -> None:
