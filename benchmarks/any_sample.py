@@ -17,6 +17,9 @@ goal: >= 3x). With ``mosaicml-streaming`` installed, the same samples are also p
 fastloader LMDB and HDF5 pack (image as a raw field) and MosaicML's MDS (``ndarray`` columns and
 ``str``), and read back the same way: the read ratio (goal >= 1.5x), pack seconds and sizes.
 
+Then packs of many fields against the file they were made from, old and new layout, and token
+windows against a NumPy memmap dataset (issue 38: ``benchmarks/column_packs.py``).
+
 Run alone: ``python -m benchmarks --only any_sample``.
 """
 
@@ -33,6 +36,7 @@ import numpy as np
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset
 
+from benchmarks import column_packs
 from benchmarks._stats import paired_ratio
 from benchmarks.formats import close_loader
 
@@ -136,6 +140,11 @@ def run(size: str, workdir: Path) -> dict:
         f"{WORKERS} workers, random order, batches of {' and '.join(map(str, BATCHES))}, "
         f"{rounds} interleaved rounds"
     ]
+    for part in (column_packs.pose_rows, column_packs.token_rows):  # issue 38
+        result = part(size, workdir)
+        rows += result["rows"]
+        ratios.update(result["ratios"])
+        notes += result["notes"]
     packed = _packed_vs_mds(path, workdir, count, rounds)
     if packed is None:
         notes.append("MDS comparison skipped: mosaicml-streaming is not installed")

@@ -48,7 +48,7 @@ def test_a_detection_dataset_packs_and_reads_back_equal(tmp_path, suffix):
     assert {len(source[i]["boxes"]) for i in range(len(source))} >= {0, 37}  # ragged, 0 too
     for index in range(len(source)):
         _assert_detection_equal(dataset[index], source[index])
-    assert read_metadata(tmp_path / f"det{suffix}")["version"] == 4
+    assert read_metadata(tmp_path / f"det{suffix}")["version"] == 5  # laid out by columns
 
 
 def test_ragged_fields_through_the_loader(tmp_path):
@@ -76,7 +76,7 @@ def test_a_flipped_byte_in_a_box_array_is_a_pack_error(tmp_path, suffix):
             return sample
 
     path = tmp_path / f"det{suffix}"
-    pack(Marked(4), path, store="raw", workers=0)
+    pack(Marked(4), path, store="raw", workers=0, layout="records")  # (columns: test_column_packs)
     data = bytearray(path.read_bytes())
     marker = np.full(12, 1234.5 + 2, np.float32).tobytes()
     at = data.find(marker)
@@ -159,10 +159,14 @@ def test_image_fields_keep_store_modes_and_transforms(tmp_path):
     seen = []
     dataset = LMDBDataset(
         tmp_path / "raw.lmdb",
-        transform=lambda image: image.size,
+        decode="pil",
+        image_transform=lambda image: image.size,
         sample_transform=lambda sample: seen.append(sorted(sample)) or sample["image"],
     )
     assert dataset[0] == (24, 20) and seen == [["boxes", "image", "labels", "name"]]
+    # transform= takes the whole sample, as for a user's file read in place
+    whole = LMDBDataset(tmp_path / "raw.lmdb", transform=lambda sample: sorted(sample))
+    assert whole[0] == ["boxes", "image", "labels", "name"]
     with pytest.raises(ValueError, match="target_transform is for .image, label. packs"):
         LMDBDataset(tmp_path / "raw.lmdb", target_transform=int)
 
@@ -171,7 +175,9 @@ def test_fused_transforms_crop_the_image_field(tmp_path):
     from fastloader import transforms
 
     pack(Detection(4), tmp_path / "d.h5", store="raw", workers=0)
-    dataset = HDF5Dataset(tmp_path / "d.h5", transform=transforms.CenterCrop(8), decode="tensor")
+    dataset = HDF5Dataset(
+        tmp_path / "d.h5", image_transform=transforms.CenterCrop(8), decode="tensor"
+    )
     sample = dataset[2]
     assert sample["image"].shape == (3, 8, 8) and sample["name"] == "img_2.jpg"
 
@@ -320,7 +326,7 @@ def test_the_crop_box_and_flip_of_a_fused_transform_come_with_the_sample(tmp_pat
     pack(source, tmp_path / "d.lmdb", store="raw", workers=0)
     flip_crop = transforms.Compose([transforms.CenterCrop(8), transforms.RandomHorizontalFlip(1.0)])
     dataset = LMDBDataset(
-        tmp_path / "d.lmdb", transform=flip_crop, decode="numpy", with_geometry=True
+        tmp_path / "d.lmdb", image_transform=flip_crop, decode="numpy", with_geometry=True
     )
     sample = dataset[1]
     geometry = sample["image_geometry"]
@@ -345,13 +351,14 @@ def test_the_crop_box_and_flip_of_a_fused_transform_come_with_the_sample(tmp_pat
 
 
 def test_a_pack_of_a_pose_file_read_as_pil_says_which_decode_gives_arrays(pose, tmp_path):
-    """The default decode="pil" gives PIL images, which no collate stacks: the loader's error
-    names the field and the decode= that gives what the HDF5 file gave (arrays)."""
+    """decode="pil" (the default before format 5) gives PIL images, which no collate stacks:
+    the loader's error names the field and the decode= that gives what the HDF5 file gave
+    (arrays, the default now)."""
     target = tmp_path / "pose.lmdb"
     pack(HDF5File(pose), target, schema={"image": "image"}, store="raw", workers=0)
     with pytest.raises(TypeError, match=r"field 'image'.*decode='numpy'.*decode='tensor'"):
-        next(iter(DataLoader(LMDBDataset(target), batch_size=4)))
-    batch = next(iter(DataLoader(LMDBDataset(target, decode="numpy"), batch_size=4)))
+        next(iter(DataLoader(LMDBDataset(target, decode="pil"), batch_size=4)))
+    batch = next(iter(DataLoader(LMDBDataset(target), batch_size=4)))
     assert batch["image"].shape == (4, *h5py_rows(pose, POSE_FIELDS)[0]["image"].shape)
 
 

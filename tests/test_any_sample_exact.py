@@ -128,7 +128,7 @@ def test_a_tensor_numpy_cannot_hold_is_named(tmp_path):
 def test_verify_reads_every_field_back(tmp_path, suffix, monkeypatch):
     samples = Samples([{"x": np.arange(3), "j": {"a": 1}, "s": "é"} for _ in range(3)])
     path = tmp_path / f"v{suffix}"
-    pack(samples, path, workers=0)
+    pack(samples, path, workers=0, layout="records")  # columns: tests/test_column_packs.py
     assert verify(path).ok
 
     def refuses(self, payload, where, image):  # a payload its checksum covers, unreadable

@@ -229,8 +229,8 @@ def _rewrite_metadata(path, fmt, change, reseal: bool = True) -> None:
 
 
 def test_other_format_versions_are_refused(pack_path, fmt):
-    _rewrite_metadata(pack_path, fmt, lambda m: {**m, "version": 5})
-    with pytest.raises(PackError, match="newer fastloader \\(format version 5"):
+    _rewrite_metadata(pack_path, fmt, lambda m: {**m, "version": 6})
+    with pytest.raises(PackError, match="newer fastloader \\(format version 6"):
         open_pack(pack_path)
     _rewrite_metadata(pack_path, fmt, lambda m: {**m, "version": 1})
     with pytest.raises(PackError, match="older fastloader .format version 1.*re-pack it"):

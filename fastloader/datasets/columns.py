@@ -9,7 +9,10 @@ collate to stack them back, cost more than the reading: for issue 30's pose batc
 fastloader's ``default_collate`` and the dataset is an ``HDF5FileDataset`` without
 ``transform`` or ``as_tuple`` (no code of the user's runs per sample), the loader asks it for a
 ``ColumnBatch`` (``read_batch_columns``) instead of the samples, and the collates that know it
-turn each numeric column into the batch tensor whole:
+turn each numeric column into the batch tensor whole. A pack of fields laid out by columns
+(format 5: NOTE [ Packs laid out by columns ] in formats/column_layout.py) offers the same
+``read_batch_columns`` (datasets/field_samples.py ``read_columns``), its blocks' checksums
+verified first, when no per-sample code runs (NOTE [ One meaning per argument ]):
 
 - in the main process ``default_collate`` wraps the column (``torch.from_numpy``, no copy);
 - in a worker each mapped field is gathered straight into the shared-memory slot, one copy

@@ -6,26 +6,42 @@ payload codec is torch-free (formats/fields.py); this decodes image fields as th
 in decoding.py), and applies the transforms.
 
 NOTE [ Transforms of a pack of fields ]
-``transform`` is what torchvision users pass for images, so it goes to the pack's image field
-(the first one, in schema order), fused with decoding where it can be; a pack without an image
-field gives it the whole sample. ``sample_transform`` then sees the whole sample (the dict or
-tuple), to move boxes and keypoints with the image or to build the training tuple.
-``target_transform`` belongs to (image, label) packs and is refused here.
+``transform`` gets the whole sample (the dict or tuple), images decoded as ``decode`` says,
+as a user's file read in place gives it to ``transform`` (NOTE [ One meaning per argument ]).
+``image_transform`` goes to the pack's image field (the first one, in schema order), fused
+with decoding where it can be: what torchvision users pass for images (it is what
+``transform`` meant before format 5's release). ``sample_transform`` then sees the whole
+sample again (kept for code written for that release). ``target_transform`` belongs to
+(image, label) packs and is refused here.
+
+NOTE [ One meaning per argument ]
+A pack made from a user's file reads back as the file does: ``transform=`` receives the
+whole sample, images come back as uint8 HxWxC arrays (``decode`` defaults to "numpy" for a
+pack of fields; "pil" gives PIL images, the earlier default), and the default collate makes
+the same batch. With no per-sample code (no ``transform``, ``image_transform``,
+``sample_transform`` or ``with_geometry``), ``decode`` "numpy" or "tensor", dict samples and
+images stored raw at one size, a pack laid out by columns gives the loader whole batches by
+column (``read_columns``), as ``HDF5FileDataset`` does. ``(image, label)`` packs keep
+torchvision's ``ImageFolder`` meaning: ``transform`` for the image, ``decode="pil"``.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from fastloader.datasets.columns import ColumnBatch
+from fastloader.formats.column_reader import checked_rows
 from fastloader.formats.fields import IMAGE_RAW, FieldsDecoder
+from fastloader.formats.mapped_rows import gathered
 from fastloader.formats.records import PackError, Record, RecordKind
 from fastloader.vision.decoding import fuse
 from fastloader.vision.stored_images import decode_image
 
-__all__ = ["check_fields_options", "load_fields"]
+__all__ = ["check_fields_options", "load_column_samples", "load_fields", "read_columns"]
 
 
 def check_fields_options(dataset: Any) -> str | None:
@@ -38,6 +54,11 @@ def check_fields_options(dataset: Any) -> str | None:
     if dataset.schema is None:
         if dataset.with_geometry:
             raise ValueError(f"{dataset.path}: with_geometry is for packs of fields")
+        if dataset.image_transform is not None:
+            raise ValueError(
+                f"{dataset.path}: image_transform is for packs of fields; this pack holds "
+                f"(image, label) samples: use transform"
+            )
         if dataset.sample_transform is not None:
             raise ValueError(
                 f"{dataset.path}: sample_transform is for packs of fields; this pack holds "
@@ -52,15 +73,103 @@ def check_fields_options(dataset: Any) -> str | None:
             f"samples of fields: use sample_transform (NOTE [ Transforms of a pack of fields ])"
         )
     images = [field["name"] for field in dataset.schema["fields"] if field["kind"] == "image"]
+    if dataset.image_transform is not None and not images:
+        raise ValueError(f"{dataset.path}: image_transform needs an image field; use transform")
     return images[0] if images else None
 
 
 def load_fields(dataset: Any, position: int, buffer: Any) -> Any:
     """Decode and transform record ``position`` of a pack of fields, checksum verified."""
+    return _reader(dataset).load(position, buffer)
+
+
+def _reader(dataset: Any) -> _FieldsReader:
     reader = dataset.__dict__.get("_fields_reader")
-    if reader is None or reader.key != (dataset.transform, dataset.decode):
+    if reader is None or reader.key != (dataset.image_transform, dataset.decode):
         reader = dataset._fields_reader = _FieldsReader(dataset)  # not pickled: see datasets.py
-    return reader.load(position, buffer)
+    return reader
+
+
+def load_column_samples(
+    dataset: Any,
+    indices: Sequence[int],
+    positions: list[int],
+    before_each: Callable[[int], None] | None,
+) -> list:
+    """The samples at ``positions`` of a pack laid out by columns, decoded and transformed one
+    by one, ``before_each(index)`` called before each (the loader seeds there); their blocks'
+    checksums verified first (NOTE [ Blocks checked once per process ])."""
+    table = dataset.column_table()
+    if dataset.verify_checksums:
+        table.check_rows(np.asarray(positions, dtype=np.int64))
+    reader = _reader(dataset)
+    out = []
+    for index, row in zip(indices, positions, strict=True):
+        if before_each is not None:
+            before_each(index)
+        out.append(reader.finish(table.sample(row, reader.image)))
+    return out
+
+
+def _by_columns(dataset: Any) -> bool:
+    """Whether the dataset's batches can be read by column (NOTE [ One meaning per argument ])."""
+    if (
+        dataset.layout != "columns"
+        or dataset.schema["structure"] != "dict"
+        or dataset.transform is not None
+        or dataset.image_transform is not None
+        or dataset.sample_transform is not None
+        or dataset.with_geometry
+    ):
+        return False
+    columns = dataset.metadata["columns"]["fields"]
+    images = [
+        column
+        for field, column in zip(dataset.schema["fields"], columns, strict=True)
+        if field["kind"] == "image"
+    ]
+    if not images:
+        return True
+    fixed = all(column["storage"] == "fixed" for column in images)
+    return fixed and dataset.decode in ("numpy", "tensor")
+
+
+def read_columns(dataset: Any, indices: Sequence[int]) -> ColumnBatch | None:
+    """The samples ``indices`` as a ``ColumnBatch``, or None where they need per-sample work
+    (NOTE [ One meaning per argument ]): fixed fields are gathered by rows, images as
+    ``decode`` says ("tensor": CHW)."""
+    key = (
+        dataset.transform,
+        dataset.image_transform,
+        dataset.sample_transform,
+        dataset.with_geometry,
+        dataset.decode,
+    )
+    plan = dataset.__dict__.get("_columns_plan")
+    if plan is None or plan[0] != key:  # planned once per dataset and arguments
+        plan = dataset._columns_plan = (key, _plan_columns(dataset))
+    names = plan[1]
+    if names is None or not len(indices):
+        return None
+    rows = checked_rows(indices, len(dataset), dataset.path)
+    table = dataset.column_table()
+    if dataset.verify_checksums:
+        table.check_rows(rows)
+    batch = {name: table.batch(number, rows) for number, (name, _) in enumerate(names)}
+    for name, chw in names:
+        if chw:
+            batch[name] = np.ascontiguousarray(gathered(batch[name]).transpose(0, 3, 1, 2))
+    return ColumnBatch(batch, len(rows))
+
+
+def _plan_columns(dataset: Any) -> list[tuple[str, bool]] | None:
+    """Each field's name and whether it is an image given as CHW; None: not by columns."""
+    if not _by_columns(dataset):
+        return None
+    tensors = dataset.decode == "tensor"
+    return [
+        (field["name"], tensors and field["kind"] == "image") for field in dataset.schema["fields"]
+    ]
 
 
 class _FieldsReader:
@@ -68,11 +177,11 @@ class _FieldsReader:
 
     def __init__(self, dataset: Any) -> None:
         self.dataset = dataset
-        self.key = (dataset.transform, dataset.decode)
+        self.key = (dataset.image_transform, dataset.decode)
         self.mode = dataset.decode
         self.target = dataset._image_field
         use_fused = self.target is not None and self.mode != "bytes"
-        self.fused = fuse(dataset.transform) if use_fused else None
+        self.fused = fuse(dataset.image_transform) if use_fused else None
         self.decoder = FieldsDecoder(dataset.schema)
         self.geometry: dict | None = None  # of the last image: NOTE [ Crop box and flip ]
         self.with_geometry = dataset.with_geometry
@@ -89,18 +198,23 @@ class _FieldsReader:
             return self.decoder.decode(record.payload, where, self.image)
 
         self.geometry = None
-        sample = dataset._checked(position, buffer, decode)
-        transform, target = dataset.transform, self.target
+        return self.finish(dataset._checked(position, buffer, decode))
+
+    def finish(self, sample: Any) -> Any:
+        """A decoded sample, transformed (NOTE [ Transforms of a pack of fields ])."""
+        dataset = self.dataset
+        image_transform, target = dataset.image_transform, self.target
         if self.with_geometry and isinstance(sample, dict):
             sample[f"{target}_geometry"] = self.geometry
-        if transform is not None and self.fused is None:
-            if target is None:
-                sample = transform(sample)
-            elif isinstance(sample, dict):
-                sample[target] = transform(sample[target])
+            self.geometry = None
+        if image_transform is not None and self.fused is None:
+            if isinstance(sample, dict):
+                sample[target] = image_transform(sample[target])
             else:
                 at = _index_of(dataset.schema, target)
-                sample = _replaced(sample, at, transform(sample[at]))
+                sample = _replaced(sample, at, image_transform(sample[at]))
+        if dataset.transform is not None:
+            sample = dataset.transform(sample)
         if dataset.sample_transform is not None:
             sample = dataset.sample_transform(sample)
         return sample

@@ -18,7 +18,13 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from fastloader.datasets.field_samples import check_fields_options, load_fields
+from fastloader.datasets.columns import ColumnBatch
+from fastloader.datasets.field_samples import (
+    check_fields_options,
+    load_column_samples,
+    load_fields,
+    read_columns,
+)
 from fastloader.formats.hdf5 import HDF5Pack
 from fastloader.formats.lmdb import LMDBPack
 from fastloader.formats.packfile import PackFile, PackWriter, check_file, file_identity
@@ -55,23 +61,26 @@ class PackedDataset(PackFile, Dataset):
         path: str | os.PathLike,
         transform: Callable | None = None,
         target_transform: Callable | None = None,
-        decode: str = "pil",
+        decode: str | None = None,
         *,
         verify_checksums: bool = True,
         sample_transform: Callable | None = None,
         with_geometry: bool = False,
+        image_transform: Callable | None = None,
     ) -> None:
-        if decode not in DECODE_MODES:
+        if decode is not None and decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
         self.transform = transform
         self.target_transform = target_transform
-        self.decode = decode
-        if decode != "bytes":
-            fuse(transform)  # planned here, so that the main process warns if on Pillow
         self.sample_transform = sample_transform
+        self.image_transform = image_transform
         self.with_geometry = with_geometry  # NOTE [ Crop box and flip ] in field_samples.py
         with _image_folder_hint(path, self.backend):
             PackFile.__init__(self, path, verify_checksums=verify_checksums)
+        # NOTE [ One meaning per argument ] in field_samples.py
+        self.decode = decode or ("pil" if self.schema is None else "numpy")
+        if self.decode != "bytes":  # planned here, so that the main process warns if on Pillow
+            fuse(transform if self.schema is None else image_transform)
         self._image_field = check_fields_options(self)
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
@@ -98,8 +107,19 @@ class PackedDataset(PackFile, Dataset):
             return self._load(position, buffer)
 
         positions = [self._position(index) for index in indices]
+        if self.layout == "columns":  # NOTE [ Packs laid out by columns ]
+            return load_column_samples(self, indices, positions, before_each)
         self.advise_records(positions)  # NOTE [ Read advice for packs bigger than memory ]
         return self._read_each(self._handle_here(), positions, load)
+
+    def read_batch_columns(self, indices: Sequence[int]) -> ColumnBatch | None:
+        """The samples ``indices`` of a pack laid out by columns as one ``ColumnBatch`` for the
+        loader's default collate (NOTE [ Batches read by columns ] in datasets/columns.py), its
+        blocks' checksums verified; None where a sample needs code of the user's or a decode
+        per sample (see ``field_samples.read_columns``). Raises as ``__getitems__``."""
+        if type(self) not in (LMDBDataset, HDF5Dataset):  # a subclass reads its own way
+            return None
+        return read_columns(self, indices)
 
     def _load(self, position: int, buffer: Any) -> tuple[Any, Any]:
         """Decode and transform one record, fusing the two where the transform allows.
@@ -134,6 +154,7 @@ class PackedDataset(PackFile, Dataset):
     def __getstate__(self) -> dict[str, Any]:
         state = PackFile.__getstate__(self)
         state.pop("_fields_reader", None)  # planned again where it is read (closures inside)
+        state.pop("_columns_plan", None)  # holds the transforms: planned again too
         return state
 
     def apply_transforms(self, sample: tuple[Any, int]) -> tuple[Any, Any]:
@@ -172,13 +193,20 @@ class LMDBDataset(LMDBPack, PackedDataset):
 
     Args:
         path: the ``.lmdb`` file.
-        transform: applied to each image (as torchvision transforms are).
+        transform: applied to each image of an (image, label) pack (as torchvision
+            transforms are); to the whole sample of a pack of fields, as for a user's file
+            read in place (docs/any-sample.md, "One meaning per argument").
         target_transform: applied to each label.
-        decode: "pil" (RGB image, default), "tensor" (uint8 CHW), "numpy" (uint8 HWC), or
-            "bytes" (the stored payload).
-        verify_checksums: check each record's checksum as it is read (default True).
-        sample_transform: for a pack of fields, applied to the whole sample, after
-            ``transform`` (which goes to the image field): see docs/any-sample.md.
+        decode: how images come back: "pil" (RGB image), "tensor" (uint8 CHW), "numpy"
+            (uint8 HWC), or "bytes" (the stored payload). Default "pil" for an (image, label)
+            pack, "numpy" for a pack of fields (arrays, as the file it was made from).
+        verify_checksums: check each record's (or block of rows') checksum as it is read
+            (default True).
+        sample_transform: for a pack of fields, applied to the whole sample after
+            ``transform`` (kept for packs made before ``transform`` took the whole sample).
+        image_transform: for a pack of fields, applied to the image field (the first), fused
+            with decoding where it can be (what ``transform`` did before format 5's
+            release).
         with_geometry: for a pack of dict samples, add ``"<image field>_geometry"``: the crop
             box and flip a fused ``transform`` applied (NOTE [ Crop box and flip ]).
 
@@ -210,13 +238,20 @@ class HDF5Dataset(HDF5Pack, PackedDataset):
 
     Args:
         path: the ``.h5``/``.hdf5`` file.
-        transform: applied to each image (as torchvision transforms are).
+        transform: applied to each image of an (image, label) pack (as torchvision
+            transforms are); to the whole sample of a pack of fields, as for a user's file
+            read in place (docs/any-sample.md, "One meaning per argument").
         target_transform: applied to each label.
-        decode: "pil" (RGB image, default), "tensor" (uint8 CHW), "numpy" (uint8 HWC), or
-            "bytes" (the stored payload).
-        verify_checksums: check each record's checksum as it is read (default True).
-        sample_transform: for a pack of fields, applied to the whole sample, after
-            ``transform`` (which goes to the image field): see docs/any-sample.md.
+        decode: how images come back: "pil" (RGB image), "tensor" (uint8 CHW), "numpy"
+            (uint8 HWC), or "bytes" (the stored payload). Default "pil" for an (image, label)
+            pack, "numpy" for a pack of fields (arrays, as the file it was made from).
+        verify_checksums: check each record's (or block of rows') checksum as it is read
+            (default True).
+        sample_transform: for a pack of fields, applied to the whole sample after
+            ``transform`` (kept for packs made before ``transform`` took the whole sample).
+        image_transform: for a pack of fields, applied to the image field (the first), fused
+            with decoding where it can be (what ``transform`` did before format 5's
+            release).
         with_geometry: for a pack of dict samples, add ``"<image field>_geometry"``: the crop
             box and flip a fused ``transform`` applied (NOTE [ Crop box and flip ]).
 
@@ -236,6 +271,8 @@ class HDF5Dataset(HDF5Pack, PackedDataset):
         if cls is HDF5Dataset and path is not None and _foreign(path, "hdf5"):
             from fastloader.datasets.users_files import HDF5FileDataset
 
+            if kwargs.get("decode", "") in (None, "numpy"):  # NOTE [ One meaning per argument ]
+                kwargs.pop("decode")  # arrays: what a user's file gives anyway
             _check_foreign_arguments(path, args, kwargs)
             return HDF5FileDataset(path, *args, **kwargs)
         return super().__new__(cls)
@@ -253,6 +290,7 @@ class HDF5Dataset(HDF5Pack, PackedDataset):
 
 _PACK_ONLY = (
     "decode",
+    "image_transform",
     "target_transform",
     "verify_checksums",
     "sample_transform",

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fastloader.formats.column_layout import LAYOUTS
 from fastloader.formats.lmdb import LMDBPack, LMDBWriter
 from fastloader.formats.packfile import PackFile, PackWriter, check_file
 from fastloader.formats.records import (
@@ -62,6 +63,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "FORMAT_VERSION",
     "FORMATS",
+    "LAYOUTS",
     "STORE_MODES",
     "HDF5Pack",
     "HDF5Writer",
@@ -85,6 +87,12 @@ __all__ = [
 _BACKENDS = {
     "lmdb": ("fastloader.formats.lmdb", "LMDBPack", "LMDBWriter"),
     "hdf5": ("fastloader.formats.hdf5", "HDF5Pack", "HDF5Writer"),
+}
+
+#: Each format's writer of packs laid out by columns (NOTE [ Packs laid out by columns ]).
+_COLUMN_WRITERS = {
+    "lmdb": ("fastloader.formats.lmdb_columns", "LMDBColumnWriter"),
+    "hdf5": ("fastloader.formats.hdf5", "HDF5ColumnWriter"),
 }
 
 
@@ -119,18 +127,29 @@ def open_writer(
     store: str,
     classes: Sequence[str],
     info: dict | None = None,
+    layout: str = "records",
 ) -> LMDBWriter | HDF5Writer:
     """Return a writer of ``format`` ("lmdb" or "hdf5") for exactly ``path``.
 
+    ``layout="columns"`` writes a pack of fields by columns (format 5: NOTE [ Packs laid out by
+    columns ] in column_layout.py); its ``schema`` must be set before the first append.
+
     Raises:
-        ValueError: for an unknown format or store mode.
+        ValueError: for an unknown format, store mode or layout.
         FileExistsError: if ``path`` exists.
     """
     if format not in _BACKENDS:
         raise ValueError(f"format must be one of {tuple(_BACKENDS)}, got {format!r}")
     if store not in STORE_MODES:
         raise ValueError(f"store must be one of {STORE_MODES}, got {store!r}")
-    return _backend(format, "writer")(path, store=store, classes=classes, info=info)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "columns":
+        module, name = _COLUMN_WRITERS[format]
+        cls = getattr(importlib.import_module(module), name)
+    else:
+        cls = _backend(format, "writer")
+    return cls(path, store=store, classes=classes, info=info)
 
 
 def open_pack_file(path: str | os.PathLike, *, verify_checksums: bool = True) -> PackFile:

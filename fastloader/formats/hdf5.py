@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import tempfile
 from array import array
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from fastloader.formats.column_layout import ColumnSpool, part_name
 from fastloader.formats.metadata import check_array, check_targets, load_metadata
 from fastloader.formats.packfile import PackFile, PackWriter
 from fastloader.formats.records import PackError
@@ -46,6 +48,12 @@ _REQUIRED = {"records": _UINT8, "offsets": _INT64, "targets": _INT64, "metadata"
 _SOURCES = {"sources": _UINT8, "source_offsets": _INT64}
 #: Every top-level name a pack has: a file with any other is a user's own (``is_hdf5_pack``).
 _PACK_NAMES = frozenset({**_REQUIRED, **_SOURCES})
+#: The datasets of a pack laid out by columns (NOTE [ Packs laid out by columns ]), all uint8.
+_COLUMN_NAME = re.compile(r"col(0|[1-9][0-9]{0,4})\.(data|offsets|heads|sums)")
+
+
+def _pack_name(name: str) -> bool:
+    return name in _PACK_NAMES or _COLUMN_NAME.fullmatch(str(name)) is not None
 
 
 def is_hdf5_pack(path: str | os.PathLike) -> bool:
@@ -64,7 +72,7 @@ def is_hdf5_pack(path: str | os.PathLike) -> bool:
             names = set(file.keys())
     except Exception:  # noqa: BLE001 - the pack reader reports what is wrong with it
         return True
-    return names <= _PACK_NAMES
+    return all(_pack_name(name) for name in names)
 
 
 class _Handle:
@@ -73,6 +81,7 @@ class _Handle:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.size = os.path.getsize(path)
+        self.cache: dict = {}  # what is read through this handle (the column table)
         try:
             self.file = h5py.File(path, "r")
         except Exception as error:  # noqa: BLE001 - a hostile file may make h5py raise anything
@@ -102,7 +111,9 @@ class _Handle:
                 f"{path}: not a complete fastloader pack (no metadata: an interrupted "
                 f"fastloader-pack run, or an hdf5 file written by something else)"
             )
-        expected = dict(_REQUIRED)
+        columns = {name for name in names if _COLUMN_NAME.fullmatch(str(name))}
+        expected = dict.fromkeys(columns, _UINT8) if columns else dict(_REQUIRED)
+        expected["metadata"] = _UINT8
         if names & set(_SOURCES):
             expected.update(_SOURCES)
         if names != set(expected):
@@ -175,22 +186,60 @@ class HDF5Pack(PackFile):
         maps = handle.maps
         metadata = load_metadata(maps["metadata"].tobytes(), self.path, self.backend)
         count = metadata["count"]
-        if len(maps["offsets"]) != count + 1 or ("sources" in maps) != metadata["sources"]:
+        if "columns" in metadata:
+            return self._load_columns(handle, metadata)
+        if (
+            "offsets" not in maps
+            or len(maps["offsets"]) != count + 1
+            or ("sources" in maps) != metadata["sources"]
+        ):
             raise PackError(f"{self.path}: corrupt pack (the datasets do not fit the metadata)")
         offsets = np.array(maps["offsets"])
         check_array(offsets, "offsets", metadata, self.path)
         if offsets[0] != 0 or offsets[-1] != len(maps["records"]) or np.any(np.diff(offsets) < 0):
             raise PackError(f"{self.path}: corrupt pack (record offsets do not fit the data)")
         if metadata["sources"]:
-            bounds = maps["source_offsets"]
-            if len(bounds) != count + 1:
-                raise PackError(f"{self.path}: corrupt pack (source path offsets do not fit)")
-            check_array(bounds, "source_offsets", metadata, self.path)
-            check_array(maps["sources"], "sources", metadata, self.path)
-            if bounds[0] != 0 or bounds[-1] != len(maps["sources"]) or np.any(np.diff(bounds) < 0):
-                raise PackError(f"{self.path}: corrupt pack (source path offsets do not fit)")
+            self._check_sources(maps, metadata)
         self._offsets = offsets
         return metadata, check_targets(np.array(maps["targets"]), metadata, self.path)
+
+    def _load_columns(self, handle: _Handle, metadata: dict) -> tuple[dict, np.ndarray]:
+        self.metadata = metadata  # the table reads it
+        names = {name for name in handle.maps if _COLUMN_NAME.fullmatch(name)}
+        expected = {
+            part_name(number, "data") for number in range(len(metadata["schema"]["fields"]))
+        }
+        expected |= {
+            part_name(number, "sums") for number in range(len(metadata["schema"]["fields"]))
+        }
+        for number, column in enumerate(metadata["columns"]["fields"]):
+            if column["storage"] == "ragged":
+                expected.add(part_name(number, "offsets"))
+                if metadata["schema"]["fields"][number]["kind"] in ("array", "image"):
+                    expected.add(part_name(number, "heads"))
+        if names != expected or ("sources" in handle.maps) != metadata["sources"]:
+            raise PackError(f"{self.path}: corrupt pack (the datasets do not fit the metadata)")
+        if metadata["columns"]["rows_per_segment"] < metadata["count"]:
+            raise PackError(f"{self.path}: corrupt metadata (columns cut into segments)")
+        if metadata["sources"]:
+            self._check_sources(handle.maps, metadata)
+        self._column_table(handle)  # every part checked when the dataset is made
+        return metadata, np.broadcast_to(np.int64(0), (metadata["count"],))
+
+    def _check_sources(self, maps: dict, metadata: dict) -> None:
+        bounds = maps["source_offsets"]
+        if len(bounds) != metadata["count"] + 1:
+            raise PackError(f"{self.path}: corrupt pack (source path offsets do not fit)")
+        check_array(bounds, "source_offsets", metadata, self.path)
+        check_array(maps["sources"], "sources", metadata, self.path)
+        if bounds[0] != 0 or bounds[-1] != len(maps["sources"]) or np.any(np.diff(bounds) < 0):
+            raise PackError(f"{self.path}: corrupt pack (source path offsets do not fit)")
+
+    def _handle_cache(self, handle: _Handle) -> dict:
+        return handle.cache
+
+    def _column_part(self, handle: _Handle, name: str, segment: int) -> np.ndarray | None:
+        return handle.maps.get(name) if segment == 0 else None
 
     def _read_source(self, handle: _Handle, position: int) -> bytes:
         bounds = handle.maps["source_offsets"]
@@ -204,7 +253,7 @@ class HDF5Pack(PackFile):
     ) -> tuple[mmap.mmap, Any] | None:
         # For read advice (formats/advice.py): the records' spans in the map numpy made of the
         # records block, which starts ``base`` bytes into that map (an aligned offset).
-        records = handle.maps["records"]
+        records = handle.maps.get("records")
         file = getattr(records, "_mmap", None)
         if file is None:  # an empty block: nothing to advise
             return None
@@ -259,4 +308,46 @@ class HDF5Writer(PackWriter):
     def abort(self) -> None:
         """Close without metadata: the file never opens as a complete pack."""
         self._spool.close()
+        self._file.close()
+
+
+class HDF5ColumnWriter(HDF5Writer):
+    """Writes an HDF5 pack of fields laid out by columns (format 5) to exactly ``path``: one
+    contiguous dataset per column part (NOTE [ Packs laid out by columns ]). Arguments and
+    errors as ``PackWriter``."""
+
+    def _open(self) -> None:
+        # a column's rows start on a page: aligned for any dtype, a row spans no more pages
+        # than its size needs (a row of 12 KiB: 3, not 4)
+        self._file = h5py.File(self.path, "x", alignment_threshold=4096, alignment_interval=4096)
+        self._spool = None
+
+    def _put(self, record: bytes) -> None:
+        if self._spool is None:
+            self._spool = ColumnSpool(self.schema, self.path.parent)
+        self._spool.add(record)
+
+    def close(self) -> None:
+        """Write every column part, the source paths and the metadata: now complete."""
+        small = {}
+        for name, _, data in self._spool.parts(None):
+            dataset = self._file.create_dataset(name, shape=(len(data),), dtype=np.uint8)
+            for start in range(0, len(data), _COPY_BYTES):
+                dataset[start : start + _COPY_BYTES] = data[start : start + _COPY_BYTES]
+            if not name.endswith(".data"):
+                small[name] = data
+        self.columns = self._spool.layout
+        arrays = self.arrays()
+        if "sources" in arrays:
+            for name in ("sources", "source_offsets"):
+                self._file.create_dataset(name, data=arrays[name])
+                small[name] = arrays[name]
+        metadata = np.frombuffer(self.metadata_json(small), dtype=np.uint8)
+        self._file.create_dataset("metadata", data=metadata)
+        self._file.close()
+        self._spool.close()
+
+    def abort(self) -> None:
+        if self._spool is not None:
+            self._spool.close()
         self._file.close()

@@ -42,7 +42,13 @@ def describe(path: str) -> str:
     schema = metadata.get("schema")
     if schema is not None:  # a pack of any sample
         lines[4] = f"samples:  {schema['structure']} of {len(schema['fields'])} fields"
-        lines[5:5] = [f"  {_field_text(field)}" for field in schema["fields"]]
+        columns = metadata.get("columns")
+        stored = columns["fields"] if columns else [None] * len(schema["fields"])
+        lines[5:5] = [
+            f"  {_field_text(field)}{_column_text(column)}"
+            for field, column in zip(schema["fields"], stored, strict=True)
+        ]
+        lines.insert(3, f"layout:   {_layout_text(columns)}")
         if not any(field["kind"] == "image" for field in schema["fields"]):
             lines[2] = "store:    - (no image field: the store mode applies to images only)"
     if info:
@@ -55,3 +61,21 @@ def _field_text(field: dict) -> str:
     if field["kind"] == "array":
         return f"{field['name']}: {field['ndim']}-d array of {field['dtype']}"
     return f"{field['name']}: {field['kind']}"
+
+
+def _layout_text(columns: dict | None) -> str:
+    if columns is None:
+        return "records (one checked record per sample: format 4; re-pack for batch reads)"
+    return (
+        f"columns (a batch is one gather per field; a checksum per block of "
+        f"{columns['rows_per_block']} rows)"
+    )
+
+
+def _column_text(column: dict | None) -> str:
+    if column is None:
+        return ""
+    if column["storage"] == "ragged":
+        return " (ragged: values by offsets)"
+    shape = "x".join(map(str, column["shape"])) or "scalar"
+    return f" (fixed: {shape} {column['dtype']} per row)"

@@ -1,5 +1,9 @@
 """LMDB packs: one file (no lock file), a record per sample under its 8-byte big-endian index.
 
+A pack laid out by columns (format 5) has no records: each column part is a value under
+``column_key`` (NOTE [ Packs laid out by columns ] in column_layout.py), read from
+fastloader's own map of the file at spans walked and checked as records' are.
+
 Keys: ``>Q`` index -> record; ``__targets__`` -> int64 labels; with source paths,
 ``__sources__`` -> their UTF-8 bytes back to back and ``__source_offsets__`` -> int64 offsets
 (count + 1); ``__metadata__`` -> JSON, written last, so a file without it is an interrupted run
@@ -19,12 +23,14 @@ import lmdb
 import numpy as np
 
 from fastloader.formats.advice import ReadAdvice
+from fastloader.formats.column_layout import column_key, column_key_count
 from fastloader.formats.lmdb_checks import (
     LeafDamaged,
     RecordSpans,
     check_lmdb_file,
     record_key,
     value_lies_in_file,
+    value_span,
 )
 from fastloader.formats.metadata import check_array, check_targets, load_metadata
 from fastloader.formats.packfile import PackFile, PackWriter, file_identity
@@ -210,22 +216,48 @@ class LMDBPack(PackFile):
             with handle.env.begin(buffers=True) as txn:
                 raw = self._get(handle, txn, _METADATA_KEY, "the metadata")
                 metadata = load_metadata(None if raw is None else bytes(raw), self.path, "lmdb")
-                raw_targets = self._get(handle, txn, _TARGETS_KEY, "the labels")
-                if raw_targets is None or len(raw_targets) % 8:
-                    raise PackError(f"{self.path}: corrupt pack (label index missing or damaged)")
-                targets = np.frombuffer(raw_targets, "<i8").copy()
+                if "columns" in metadata:
+                    targets = None  # no labels: NOTE [ Packs laid out by columns ]
+                else:
+                    raw_targets = self._get(handle, txn, _TARGETS_KEY, "the labels")
+                    if raw_targets is None or len(raw_targets) % 8:
+                        raise PackError(
+                            f"{self.path}: corrupt pack (label index missing or damaged)"
+                        )
+                    targets = np.frombuffer(raw_targets, "<i8").copy()
                 if metadata["sources"]:
                     self._load_sources(handle, txn, metadata)
             entries = handle.env.stat()["entries"]
         except lmdb.Error as error:
             raise PackError(f"{self.path}: damaged LMDB file ({error})") from None
-        expected = metadata["count"] + (4 if metadata["sources"] else 2)
+        sources = 2 if metadata["sources"] else 0
+        if "columns" in metadata:
+            self.metadata = metadata  # the table reads it
+            expected = column_key_count(metadata) + 1 + sources
+        else:
+            expected = metadata["count"] + 2 + sources
         if entries != expected:
             raise PackError(
                 f"{self.path}: corrupt pack ({entries} LMDB entries for {metadata['count']} "
                 f"records)"
             )
+        if "columns" in metadata:
+            self._column_table(handle)  # every part checked when the dataset is made
+            targets = np.broadcast_to(np.int64(0), (metadata["count"],))
+        if "columns" in metadata:
+            return metadata, targets
         return metadata, check_targets(targets, metadata, self.path)
+
+    def _handle_cache(self, handle: _Env) -> dict:
+        return handle.spans
+
+    def _column_part(self, handle: _Env, name: str, segment: int) -> np.ndarray | None:
+        span = value_span(handle.file, handle.psize, handle.root, column_key(name, segment))
+        if span is None:
+            return None
+        if span is False or span[0] + span[1] > handle.size:
+            raise PackError(f"{self.path}: damaged LMDB file ({name} lies outside the file)")
+        return np.frombuffer(handle.view[span[0] : span[0] + span[1]], np.uint8)
 
     def _load_sources(self, handle: _Env, txn: lmdb.Transaction, metadata: dict) -> None:
         offsets = self._get(handle, txn, _SOURCE_OFFSETS_KEY, "the source path offsets")

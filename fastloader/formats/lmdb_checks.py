@@ -116,21 +116,25 @@ _HEADER = 16
 
 
 def value_lies_in_file(file: bytes | memoryview, psize: int, root: int, key: bytes) -> bool | None:
-    """Whether the value stored under ``key`` lies inside ``file`` (the whole LMDB file).
+    """Whether the value under ``key`` lies inside ``file`` (the whole LMDB file): the B-tree
+    walked from ``root`` as LMDB will, every page number, node offset and size checked against
+    the file, so LMDB (and py-lmdb, which reads a value's pages before returning it) is only
+    asked for a value inside it (NOTE [ LMDB values checked against the file ] in lmdb.py).
+    True if so, False if the way points outside the file or page, None if no ``key``."""
+    span = value_span(file, psize, root, key)
+    return span if span is None or span is False else True
 
-    Walks the B-tree from ``root`` as LMDB will, checking every page number, node offset and
-    size against the file, so that LMDB (and py-lmdb, which reads a value's pages before
-    returning it) is only asked for a value that is inside the file. See NOTE [ LMDB values
-    checked against the file ] in ``lmdb.py``.
 
-    Returns:
-        True if it does, False if something on the way points outside the file or page,
-        None if ``key`` is not in the tree.
-    """
+def value_span(
+    file: bytes | memoryview, psize: int, root: int, key: bytes
+) -> tuple[int, int] | bool | None:
+    """(offset, size) in ``file`` of the value under ``key``, walked as ``value_lies_in_file``
+    says: False if the way points outside the file or page, None if ``key`` is not there."""
     found = _find_in_leaf(file, psize, root, key)
     if found is None or found is False:
         return found
-    return _value_span(found.page, found.node) is not None
+    span = _value_span(found.page, found.node)
+    return False if span is None else span
 
 
 # A RecordSpans entry is one u64: 0 = not seen yet, _OUTSIDE = its node points outside the

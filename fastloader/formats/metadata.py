@@ -22,8 +22,10 @@ import numpy as np
 import xxhash
 
 from fastloader.formats.bounded_json import check_writable, parse_json
+from fastloader.formats.column_layout import check_columns
 from fastloader.formats.fields import check_schema
 from fastloader.formats.records import (
+    COLUMNS_VERSION,
     FIELDS_VERSION,
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -57,14 +59,17 @@ def make_metadata(
     checksums: dict[str, str],
     sources: bool,
     schema: dict[str, Any] | None = None,
+    columns: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Return the metadata object a writer stores last, once every record is written.
 
-    With ``schema`` (a pack of any sample, formats/fields.py) the pack is format 4.
+    With ``schema`` (a pack of any sample, formats/fields.py) the pack is format 4; with
+    ``columns`` too (NOTE [ Packs laid out by columns ] in column_layout.py) format 5.
     """
+    version = FORMAT_VERSION if schema is None else FIELDS_VERSION
     metadata = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION if schema is None else FIELDS_VERSION,
+        "version": COLUMNS_VERSION if columns is not None else version,
         "backend": backend,
         "store": store,
         "count": int(count),
@@ -75,6 +80,8 @@ def make_metadata(
     }
     if schema is not None:
         metadata["schema"] = schema
+    if columns is not None:
+        metadata["columns"] = columns
     metadata["checksum"] = array_checksum(_canonical(metadata))
     return metadata
 
@@ -134,10 +141,16 @@ def load_metadata(raw: bytes | str | None, path: Path, backend: str) -> dict[str
         problems.append(
             "a schema in a pack of another version" if "schema" in metadata else "no schema"
         )
+    if ("columns" in metadata) != (version >= COLUMNS_VERSION):
+        problems.append(
+            "columns in a pack of another version" if "columns" in metadata else "no columns"
+        )
     if problems:
         raise PackError(f"{path}: corrupt metadata ({'; '.join(problems)})")
     if "schema" in metadata:
         check_schema(metadata["schema"], path)
+    if "columns" in metadata:
+        check_columns(metadata, path)
     return metadata
 
 

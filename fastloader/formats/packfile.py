@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from fastloader.formats.advice import ReadAdvice
+from fastloader.formats.column_reader import ColumnTable
 from fastloader.formats.metadata import array_checksum, dump_metadata, make_metadata
 from fastloader.formats.records import (
     HEADER_SIZE,
@@ -191,6 +192,8 @@ class PackFile(ForkSafeFile):
         self.store: str = self.metadata["store"]
         #: how samples of many fields are stored (formats/fields.py); None: (image, label)
         self.schema: dict | None = self.metadata.get("schema")
+        #: "columns" (format 5: NOTE [ Packs laid out by columns ]) or "records"
+        self.layout = "columns" if "columns" in self.metadata else "records"
 
     # --- backend interface -------------------------------------------------------------------
     def _open(self) -> Any:
@@ -219,12 +222,40 @@ class PackFile(ForkSafeFile):
         length), for ``advice``; None where the backend reads no such map."""
         return None
 
+    def _column_part(self, handle: Any, name: str, segment: int) -> np.ndarray | None:
+        """The bytes of a column part (``column_layout.part_name``) as a uint8 array."""
+        raise NotImplementedError
+
+    def _handle_cache(self, handle: Any) -> dict:
+        """A dict that lives as long as ``handle`` (what is read through it)."""
+        raise NotImplementedError
+
     # --- reading -------------------------------------------------------------------------------
+    def column_table(self) -> ColumnTable:
+        """This process's ``ColumnTable`` of a pack laid out by columns (format 5), made once
+        per open handle (NOTE [ Blocks checked once per process ] in column_reader.py)."""
+        handle = self._handle_here()
+        cache = self._handle_cache(handle)
+        table = cache.get("columns")
+        if table is None:
+            table = cache["columns"] = self._column_table(handle)
+        return table
+
+    def _column_table(self, handle: Any) -> ColumnTable:
+        part = lambda name, segment: self._column_part(handle, name, segment)  # noqa: E731
+        return ColumnTable(self.path, self.metadata, part)
+
     def __len__(self) -> int:
         return len(self.targets)
 
     def read_record(self, index: int) -> Record:
-        """Return record ``index`` undecoded (its payload copied out of the file)."""
+        """Return record ``index`` undecoded (its payload copied out of the file).
+
+        Raises:
+            PackError: for a pack laid out by columns, which has no records.
+        """
+        if self.layout == "columns":
+            raise PackError(f"{self.path}: laid out by columns (format 5): it has no records")
 
         def copy(position: int, buffer: Any) -> Record:
             def copied(record: Record) -> Record:
@@ -261,7 +292,7 @@ class PackFile(ForkSafeFile):
         Does nothing when ``read_advice`` is False. Never raises for a damaged record (its read
         does).
         """
-        if not self.read_advice or not positions:
+        if not self.read_advice or not positions or self.layout == "columns":
             return
         handle = self._handle_here()
         current = self.__dict__.get("_advice")
@@ -384,6 +415,7 @@ class PackWriter:
         self.classes = list(classes)
         self.info = dict(info or {})
         self.schema: dict | None = None  # a pack of any sample sets it (formats/fields.py)
+        self.columns: dict | None = None  # a pack laid out by columns (column_layout.py)
         self.count = 0  # records appended so far
         self.bytes_written = 0
         self._labels = array("q")
@@ -445,6 +477,7 @@ class PackWriter:
                 checksums,
                 bool(self._with_sources),
                 self.schema,
+                self.columns,
             )
         )
 

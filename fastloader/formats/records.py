@@ -36,7 +36,10 @@ Writers bind each record as they append it (``PackWriter.append`` re-seals the r
 ``encode_record`` made, whose checksum is unbound: position 0's seed).
 
 Format version 2 added the checksum, version 3 bound it to positions, version 4 added packs of
-any sample (FIELDS records and a schema; packs of (image, label) are still written as 3).
+any sample (FIELDS records and a schema; packs of (image, label) are still written as 3),
+version 5 lays packs of any sample out by columns (NOTE [ Packs laid out by columns ] in
+column_layout.py: checksums per block of rows; version 4 is still written with
+``layout="records"``).
 Version-2 packs are still read, with unbound checksums (``--info`` says so; re-pack for the
 binding); version-1
 packs (no checksums) are refused with a message that says to re-pack them (see
@@ -55,7 +58,8 @@ import xxhash
 FORMAT_NAME = "fastloader-pack"
 FORMAT_VERSION = 3  # what packs of (image, label) records are written as
 FIELDS_VERSION = 4  # packs of any sample: FIELDS records and a schema (formats/fields.py)
-NEWEST_VERSION = FIELDS_VERSION  # the newest this version of fastloader reads
+COLUMNS_VERSION = 5  # packs of any sample laid out by columns (formats/column_layout.py)
+NEWEST_VERSION = COLUMNS_VERSION  # the newest this version of fastloader reads
 UNBOUND_VERSION = 2  # the last format whose record checksums are not bound to positions
 STORE_MODES = ("encoded", "raw", "jpeg")
 

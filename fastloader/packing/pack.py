@@ -22,9 +22,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from fastloader.formats import (
-    open_writer,
-)
+from fastloader.formats import LAYOUTS, open_writer
 from fastloader.formats.signatures import is_hdf5_file
 from fastloader.packing.jobs import Job, dataset_job, folder_job, scan_image_folder, shuffled
 from fastloader.packing.options import (
@@ -111,6 +109,7 @@ def pack(
     image_timeout: float = IMAGE_SECONDS,
     schema: dict | None = None,
     shuffle_seed: int | None = None,
+    layout: str = "columns",
 ) -> PackSummary:
     """Pack an image folder or a map-style dataset into one LMDB or HDF5 file.
 
@@ -168,6 +167,10 @@ def pack(
             fields whose kind is not what sample 0 shows (``{"image": "image"}`` stores a uint8
             array as an image), or a whole schema. Each sample is checked against the schema
             inferred from sample 0 and this.
+        layout: for a pack of fields, ``"columns"`` (default: format 5, read a batch at a time,
+            checksums per block of rows: NOTE [ Packs laid out by columns ]) or ``"records"``
+            (format 4, one record per sample: what fastloader before format 5 reads). Packs
+            of (image, label) are always records.
 
     Returns:
         a :class:`PackSummary` of what was written and skipped.
@@ -194,6 +197,8 @@ def pack(
     check_target(target, overwrite)
     if check not in CHECKS:
         raise ValueError(f"check must be one of {', '.join(CHECKS)}, got {check!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     options = Options(store, quality, max_side, short_side, check)
     job = _job(source, options, classes, schema, shuffle_seed)
     if workers is None:
@@ -211,8 +216,9 @@ def pack(
     }
     removed_partials = remove_stale_partials(target)
     show = sys.stderr.isatty() if progress is None else progress
+    layout = layout if job.schema is not None else "records"
     writer, skipped, replaced = _write_and_publish(
-        job, target, format, store, info, workers, image_timeout, strict, overwrite, show
+        job, target, (format, layout), store, info, workers, image_timeout, strict, overwrite, show
     )
     _sync(target.parent)
     size, seconds = target.stat().st_size, time.perf_counter() - started
@@ -256,7 +262,7 @@ def _default_workers_for(source: Any, store: str, check: str) -> int:
 def _write_and_publish(
     job: Job,
     target: Path,
-    format: str,
+    format: tuple[str, str],
     store: str,
     info: dict,
     workers: int,
@@ -265,12 +271,16 @@ def _write_and_publish(
     overwrite: bool,
     show: bool,
 ) -> tuple[Any, list[tuple[str, str]], str | None]:
-    """Write the partial file, then rename it into place (NOTE [ Atomic packing ])."""
+    """Write the partial file, then rename it into place (NOTE [ Atomic packing ]);
+    ``format`` is (format, layout)."""
     temp = partial_path(target)
     seen, free = file_identity(target), free_bytes(target.parent)
     writer = None
     try:
-        writer = open_writer(temp, format, store=store, classes=job.classes, info=info)
+        format, layout = format
+        writer = open_writer(
+            temp, format, store=store, classes=job.classes, info=info, layout=layout
+        )
         writer.schema = job.schema
         results = _encode_all(job.encoder, job.items, workers, image_timeout)
         bar = tqdm(total=len(job.items), desc=target.name, unit="img", disable=not show)
