@@ -81,16 +81,20 @@ def check_schema(schema: Any, path: Path | str) -> dict[str, Any]:
         if kind not in FIELD_KINDS:
             raise PackError(f"{where}: field {name[:60]!r} of unknown kind {str(kind)[:20]!r})")
         if kind == "array":
-            ndim = field.get("ndim")
-            if not isinstance(ndim, int) or isinstance(ndim, bool) or not 0 <= ndim <= MAX_NDIM:
-                raise PackError(f"{where}: field {name[:60]!r} has a bad ndim)")
-            try:
-                dtype = np.dtype(str(field.get("dtype")))
-            except TypeError:
-                raise PackError(f"{where}: field {name[:60]!r} has a bad dtype)") from None
-            if dtype.kind not in "biufc" or dtype.hasobject:
-                raise PackError(f"{where}: field {name[:60]!r} has dtype {dtype})")
+            _check_array_field(field, f"{where}: field {name[:60]!r}")
     return schema
+
+
+def _check_array_field(field: dict, where: str) -> None:
+    ndim = field.get("ndim")
+    if not isinstance(ndim, int) or isinstance(ndim, bool) or not 0 <= ndim <= MAX_NDIM:
+        raise PackError(f"{where} has a bad ndim)")
+    try:
+        dtype = np.dtype(str(field.get("dtype")))
+    except TypeError:
+        raise PackError(f"{where} has a bad dtype)") from None
+    if dtype.kind not in "biufc" or dtype.hasobject:
+        raise PackError(f"{where} has dtype {dtype})")
 
 
 def encode_fields(values: list[Any]) -> bytes:

@@ -116,7 +116,25 @@ def load_metadata(raw: bytes | str | None, path: Path, backend: str) -> dict[str
     metadata = parse_json(raw, path)
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT_NAME:
         raise PackError(f"{path}: not a fastloader pack (foreign metadata)")
-    version = metadata.get("version")
+    version = _check_version(metadata.get("version"), path)
+    stored = metadata.get("checksum")
+    actual = array_checksum(_canonical(metadata))
+    if stored != actual:
+        raise PackError(
+            f"{path}: damaged metadata (checksum mismatch: stored {str(stored)[:20]}, "
+            f"computed {actual})"
+        )
+    problems = _problems(metadata, backend) + _parts_of_version(metadata, version)
+    if problems:
+        raise PackError(f"{path}: corrupt metadata ({'; '.join(problems)})")
+    if "schema" in metadata:
+        check_schema(metadata["schema"], path)
+    if "columns" in metadata:
+        check_columns(metadata, path)
+    return metadata
+
+
+def _check_version(version: Any, path: Path) -> int:
     if not _is_int(version) or version < 1:
         raise PackError(f"{path}: corrupt metadata (format version {str(version)[:40]!r})")
     if version > NEWEST_VERSION:
@@ -129,29 +147,18 @@ def load_metadata(raw: bytes | str | None, path: Path, backend: str) -> dict[str
             f"{path}: written by an older fastloader (format version {version}, records without "
             f"checksums): re-pack it with this version's fastloader-pack"
         )
-    stored = metadata.get("checksum")
-    actual = array_checksum(_canonical(metadata))
-    if stored != actual:
-        raise PackError(
-            f"{path}: damaged metadata (checksum mismatch: stored {str(stored)[:20]}, "
-            f"computed {actual})"
-        )
-    problems = _problems(metadata, backend)
-    if ("schema" in metadata) != (version >= FIELDS_VERSION):
-        problems.append(
-            "a schema in a pack of another version" if "schema" in metadata else "no schema"
-        )
-    if ("columns" in metadata) != (version >= COLUMNS_VERSION):
-        problems.append(
-            "columns in a pack of another version" if "columns" in metadata else "no columns"
-        )
-    if problems:
-        raise PackError(f"{path}: corrupt metadata ({'; '.join(problems)})")
-    if "schema" in metadata:
-        check_schema(metadata["schema"], path)
-    if "columns" in metadata:
-        check_columns(metadata, path)
-    return metadata
+    return version
+
+
+def _parts_of_version(metadata: dict[str, Any], version: int) -> list[str]:
+    """A schema from FIELDS_VERSION on, columns from COLUMNS_VERSION on, and not before."""
+    problems = []
+    for part, since in (("schema", FIELDS_VERSION), ("columns", COLUMNS_VERSION)):
+        if (part in metadata) != (version >= since):
+            problems.append(
+                f"{part} in a pack of another version" if part in metadata else f"no {part}"
+            )
+    return problems
 
 
 def _problems(metadata: dict[str, Any], backend: str) -> list[str]:
@@ -163,13 +170,7 @@ def _problems(metadata: dict[str, Any], backend: str) -> list[str]:
     count = metadata.get("count")
     if not _is_int(count) or not 0 <= count <= MAX_RECORDS:
         problems.append(f"bad count {str(count)[:40]!r}")
-    classes = metadata.get("classes")
-    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
-        problems.append("classes is not a list of names")
-    elif not classes and "schema" not in metadata:
-        problems.append("no classes")
-    elif len(set(classes)) != len(classes):
-        problems.append("class names repeat")
+    problems += _class_problems(metadata)
     if not isinstance(metadata.get("info"), dict):
         problems.append("info is not an object")
     if not isinstance(metadata.get("sources"), bool):
@@ -180,6 +181,17 @@ def _problems(metadata: dict[str, Any], backend: str) -> list[str]:
     ):
         problems.append("checksums is not an object of strings")
     return problems
+
+
+def _class_problems(metadata: dict[str, Any]) -> list[str]:
+    classes = metadata.get("classes")
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+        return ["classes is not a list of names"]
+    if not classes and "schema" not in metadata:
+        return ["no classes"]
+    if len(set(classes)) != len(classes):
+        return ["class names repeat"]
+    return []
 
 
 def check_array(data: Any, name: str, metadata: dict[str, Any], path: Path) -> None:

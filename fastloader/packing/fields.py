@@ -221,41 +221,65 @@ def _encode_value(field: dict, value: Any, index: int) -> bytes:
     kind, name = field["kind"], field["name"]
     where = f"sample {index} field {name!r}"
     if kind == "array":
-        array = _as_array(value, name, index)
-        dtype = np.dtype(field["dtype"])
-        if array.dtype.newbyteorder("<") != dtype or array.ndim != field["ndim"]:
-            raise SampleSchemaError(
-                f"{where}: {array.dtype} array of shape {array.shape}; the schema (from sample 0) "
-                f"says {dtype} with {field['ndim']} dimensions"
-            )
-        return encode_array(array, dtype)
-    if is_tensor(value) and value.numel() == 1 and kind in ("int", "float", "bool"):
-        value = value.item()
-    if isinstance(value, np.generic) and kind in ("int", "float", "bool"):
-        value = value.item()
-    fits = {
-        "int": isinstance(value, int) and not isinstance(value, bool),
-        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
-        "bool": isinstance(value, bool),
-        "str": isinstance(value, str),
-        "bytes": isinstance(value, (bytes, bytearray, memoryview)),
-        "json": True,
-    }[kind]
-    if not fits:
-        raise SampleSchemaError(f"{where}: a {type(value).__name__}; the schema says {kind}")
-    if kind == "int" and not -(1 << 63) <= value < 1 << 63:
-        raise SampleSchemaError(f"{where}: {value} does not fit in 64 bits")
+        return _encode_array_value(field, value, index)
+    value = _plain_scalar(value, kind)
+    _check_kind(value, kind, where)
     if kind == "json":
-        try:
-            encoded = dump_exact(value)  # what reads back equal, or refused
-        except ValueError as error:
-            raise SampleSchemaError(f"{where}: {error}") from None
-        if len(encoded) > MAX_JSON_BYTES:
-            raise SampleSchemaError(f"{where}: {len(encoded)} bytes of JSON (at most 1 MiB)")
-        return encoded
+        return _encode_json(value, where)
     if kind == "float":
         return encode_scalar(kind, _exact_float(value, where))
     return encode_scalar(kind, value)
+
+
+def _encode_array_value(field: dict, value: Any, index: int) -> bytes:
+    name = field["name"]
+    array = _as_array(value, name, index)
+    dtype = np.dtype(field["dtype"])
+    if array.dtype.newbyteorder("<") != dtype or array.ndim != field["ndim"]:
+        raise SampleSchemaError(
+            f"sample {index} field {name!r}: {array.dtype} array of shape {array.shape}; the "
+            f"schema (from sample 0) says {dtype} with {field['ndim']} dimensions"
+        )
+    return encode_array(array, dtype)
+
+
+_NUMBERS = ("int", "float", "bool")
+
+
+def _plain_scalar(value: Any, kind: str) -> Any:
+    """A one-element tensor or a NumPy scalar of a number field as its Python number."""
+    if kind in _NUMBERS and is_tensor(value) and value.numel() == 1:
+        return value.item()
+    if kind in _NUMBERS and isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+_FITS = {
+    "int": lambda value: isinstance(value, int) and not isinstance(value, bool),
+    "float": lambda value: isinstance(value, (int, float)) and not isinstance(value, bool),
+    "bool": lambda value: isinstance(value, bool),
+    "str": lambda value: isinstance(value, str),
+    "bytes": lambda value: isinstance(value, (bytes, bytearray, memoryview)),
+    "json": lambda value: True,
+}
+
+
+def _check_kind(value: Any, kind: str, where: str) -> None:
+    if not _FITS[kind](value):
+        raise SampleSchemaError(f"{where}: a {type(value).__name__}; the schema says {kind}")
+    if kind == "int" and not -(1 << 63) <= value < 1 << 63:
+        raise SampleSchemaError(f"{where}: {value} does not fit in 64 bits")
+
+
+def _encode_json(value: Any, where: str) -> bytes:
+    try:
+        encoded = dump_exact(value)  # what reads back equal, or refused
+    except ValueError as error:
+        raise SampleSchemaError(f"{where}: {error}") from None
+    if len(encoded) > MAX_JSON_BYTES:
+        raise SampleSchemaError(f"{where}: {len(encoded)} bytes of JSON (at most 1 MiB)")
+    return encoded
 
 
 def _exact_float(value: int | float, where: str) -> float:

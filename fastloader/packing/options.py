@@ -46,14 +46,20 @@ def check_options(
     if not isinstance(quality, int) or not 1 <= quality <= 100:
         raise ValueError(f"quality must be an int from 1 to 100, got {quality!r}")
     for name, value in (("max_side", max_side), ("short_side", short_side)):
-        if value is not None and store == "encoded":
-            raise ValueError(f"{name} needs store='raw' or 'jpeg' (encoded keeps the files)")
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        _check_side(name, value, store)
     if workers is not None and workers < 0:
         raise ValueError(f"workers must be >= 0, got {workers}")
     if not isinstance(image_timeout, (int, float)) or not image_timeout > 0:
         raise ValueError(f"image_timeout must be a positive number, got {image_timeout!r}")
+
+
+def _check_side(name: str, value: int | None, store: str) -> None:
+    if value is None:
+        return
+    if store == "encoded":
+        raise ValueError(f"{name} needs store='raw' or 'jpeg' (encoded keeps the files)")
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def target_format(target: Path, format: str | None, source: Any) -> str:
