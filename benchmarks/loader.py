@@ -28,7 +28,7 @@ from torch.utils.data import Dataset
 
 from benchmarks._photos import photo_jpegs
 from benchmarks._progress import note
-from benchmarks._stats import paired_ratio
+from benchmarks._stats import paired_ratio, significant
 from fastloader import DataLoader
 from fastloader.loader.seeding import seed_rngs
 from fastloader.sampling.seeds import sample_seed
@@ -211,12 +211,12 @@ def run(size: str, workdir: Path) -> dict:
             {
                 "loader": name,
                 "steady_samples_per_s": round(steady[name], 1),
-                "vs_torch_steady": round(vs(name, "torch"), 3),
+                "vs_torch_steady": significant(vs(name, "torch")),
                 "first_batch_ms_epoch1": round(result["first_batch_s"][0] * 1e3, 1),
                 "first_batch_ms_later_median": round(later_first_batch(name) * 1e3, 2),
                 "batch_interval_ms": round(interval(name) * 1e3, 1),
-                "vs_torch_epoch_start": round(
-                    later_first_batch("torch") / later_first_batch(name), 3
+                "vs_torch_epoch_start": significant(
+                    later_first_batch("torch") / later_first_batch(name)
                 ),
                 "startup_dataset_epoch2_first_batch_ms": round(startup[name][1] * 1e3, 1),
             }

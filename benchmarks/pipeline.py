@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 
 from benchmarks._photos import ImageFolderDataset, image_folder, packed
 from benchmarks._progress import advance, note, plan
-from benchmarks._stats import paired_ratio, rotated
+from benchmarks._stats import paired_ratio, rotated, significant
 from fastloader import DataLoader, ImageFolder, LMDBDataset
 from fastloader import transforms as T
 
@@ -241,8 +241,8 @@ def run(size: str, workdir: Path) -> dict:
             "loader": name,
             "what": LABELS.get(name, name),
             "samples_per_s": round(rate, 1),
-            "vs_torch": round(vs(name, "torch_folder"), 3),
-            "vs_dali": round(vs(name, "dali_cpu"), 3) if "dali_cpu" in median else None,
+            "vs_torch": significant(vs(name, "torch_folder")),
+            "vs_dali": significant(vs(name, "dali_cpu")) if "dali_cpu" in median else None,
         }
         for name, rate in median.items()
     ]

@@ -16,6 +16,13 @@ from typing import Any
 from benchmarks._stats import paired_ratio
 
 
+def _ratio(value: float) -> str:
+    """``0.96x``, ``54.0x``; below 0.01 two significant digits (``0.00041x``), never ``0.00x``."""
+    if 0 < abs(value) < 0.01:
+        return f"{value:.2g}x"
+    return f"{value:.2f}x" if value < 10 else f"{value:.1f}x"
+
+
 def format_value(key: str, value: Any) -> str:
     """A table cell: ratios as ``1.23x``, other numbers with about three significant digits."""
     if value is None:
@@ -23,7 +30,7 @@ def format_value(key: str, value: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return str(value)
     if key.startswith("vs_") or key.endswith("_over_start"):
-        return f"{value:.2f}x"
+        return _ratio(value)
     if isinstance(value, int) or not math.isfinite(value):
         return str(value)
     magnitude = abs(value)
@@ -143,10 +150,6 @@ _SMALL_TABLE = 6  # a comparison's table of at most 6 rows and 6 columns is prin
 _LOADER_NAMES = {"torch": "torch", "torch_persistent": "torch persistent_workers=True"}
 #: Where the README's table comes from.
 README_RESULTS = Path(__file__).resolve().parent / "results" / "results.json"
-
-
-def _ratio(value: float) -> str:
-    return f"{value:.2f}x" if value < 10 else f"{value:.1f}x"
 
 
 def _aligned(header: list[str], rows: list[list[str]]) -> str:
