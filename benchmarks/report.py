@@ -231,8 +231,23 @@ def loader_summary(result: dict) -> str:
         "",
         "samples/s: steady throughput, no training step; first batch: median of epochs 2 and "
         f"later, with a {config.get('step_ms', '?')} ms training step per batch",
+        _why_steady_and_start_differ(rate, first, config),
     ]
     return "\n".join(lines)
+
+
+def _why_steady_and_start_differ(rate: dict, first: dict, config: dict) -> str:
+    """The line that explains a loader table's two kinds of ratio (~1x steady, many x sooner)."""
+    samples = config.get("samples")
+    epoch = f" of a {samples / rate['torch']:.1f} s epoch" if samples and rate["torch"] else ""
+    return (
+        "why steady is near 1x while the first batch comes many times sooner: steady samples/s "
+        "is 2 worker processes decoding JPEGs, the same work under every loader; the first "
+        "batch is the stall at each epoch's start, which fastloader removes by loading the next "
+        "epoch during the previous one (cross-epoch prefetch), not by a faster rate: here "
+        f"torch's stall is {first['torch']:.0f} ms{epoch}, a small share on a dataset this "
+        "cheap, a large one with short epochs or workers slow to start"
+    )
 
 
 def _readme_source() -> str:
@@ -318,6 +333,12 @@ def transport_summary(result: dict) -> str:
         "higher is better); main CPU: the main process's CPU time per batch, what a GPU step "
         "loses to loading",
     ]
+    if any(row["num_workers"] == 0 for row in rows):
+        lines.append(
+            "0 workers: both loaders make the batches in the main process; pose is faster "
+            "there because fastloader reads a batch's rows in one __getitems__ call (torch: one "
+            "sample at a time); the rest is the same work (fastloader also seeds every sample)"
+        )
     in_process = ratios.get("pose64_2w_vs_fastloader_0w")
     plain = ratios.get("pose64_0w_vs_plain_loop")
     if in_process is not None and plain is not None:
@@ -329,17 +350,47 @@ def transport_summary(result: dict) -> str:
     return "\n".join(lines)
 
 
-def summary(results: dict, out: Path, plots: list[Path]) -> str:
-    """What a person reads at the end of a run: the training pipeline (the headline), the
-    transport and loader tables, each other comparison's ratios in one line or two, where the
-    results went."""
-    comparisons = results["comparisons"]
+def _summary_head(results: dict) -> list[str]:
+    """The summary's first line (size, seconds, load) and the demo's thread note."""
     load = results["machine"].get("load_average")
     lines = [
         f"fastloader benchmarks, size {results['size']} ({results.get('seconds', 0):.0f} s"
         + (f"; load average {load} at the start" if load else "")
         + ")"
     ]
+    if results["machine"].get("main_process_torch_threads") == 1:  # benchmarks/__main__.py:
+        lines.append(  # NOTE [ One intra-op thread in the demo ]
+            "the main process ran torch on 1 intra-op thread, as the workers do: with 2, on a "
+            "busy machine, its copies (0 workers) waited on each other and the ratios were noise"
+        )
+    return lines
+
+
+def _other_lines(name: str, result: dict) -> list[str]:
+    """A comparison without a table of its own in the summary: its ratios, a small table."""
+    if result.get("skipped"):
+        return [f"  {name}: skipped: {result['skipped']}"]
+    if result.get("error"):
+        return [f"  {name}: ERROR: {result['error'].strip().splitlines()[-1]}"]
+    ratios = [
+        f"{key.replace('_', ' ')} {format_value(_ratio_key(key), value)}"
+        for key, value in result.get("ratios", {}).items()
+    ]
+    if result.get("peer_skipped"):
+        ratios.append(f"peer skipped: {result['peer_skipped']}")
+    lines = [f"  {name}: " + ("; ".join(ratios) or "done")]
+    rows = result.get("rows") or []
+    if 0 < len(rows) <= _SMALL_TABLE and len(_columns(rows)) <= _SMALL_TABLE:
+        lines += ["    " + line for line in format_table(rows).splitlines()]
+    return lines
+
+
+def summary(results: dict, out: Path, plots: list[Path]) -> str:
+    """What a person reads at the end of a run: the training pipeline (the headline), the
+    transport and loader tables, each other comparison's ratios in one line or two, where the
+    results went."""
+    comparisons = results["comparisons"]
+    lines = _summary_head(results)
     shown = []
     shown_first = (
         ("pipeline", pipeline_summary),
@@ -357,22 +408,7 @@ def summary(results: dict, out: Path, plots: list[Path]) -> str:
     if others:
         lines += ["", "other comparisons (ratios; the tables are in results.md):"]
     for name in others:
-        result = comparisons[name]
-        if result.get("skipped"):
-            lines.append(f"  {name}: skipped: {result['skipped']}")
-        elif result.get("error"):
-            lines.append(f"  {name}: ERROR: {result['error'].strip().splitlines()[-1]}")
-        else:
-            ratios = [
-                f"{key.replace('_', ' ')} {format_value(_ratio_key(key), value)}"
-                for key, value in result.get("ratios", {}).items()
-            ]
-            if result.get("peer_skipped"):
-                ratios.append(f"peer skipped: {result['peer_skipped']}")
-            lines.append(f"  {name}: " + ("; ".join(ratios) or "done"))
-            rows = result.get("rows") or []
-            if 0 < len(rows) <= _SMALL_TABLE and len(_columns(rows)) <= _SMALL_TABLE:
-                lines += ["    " + line for line in format_table(rows).splitlines()]
+        lines += _other_lines(name, comparisons[name])
     written = [out / "results.md", out / "results.json", *plots]
     lines += [
         "",

@@ -1,5 +1,7 @@
 """The demo (``python -m benchmarks --quick``): what it runs, that it prints what results.md
-says, and that its progress estimates come from measured rates. No timing is asserted."""
+says, that its surprising figures carry their explanation, that the README gives the duration
+its header gives, and that its progress estimates come from measured rates (or are not shown).
+No timing is asserted."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ if ROOT not in sys.path:
 
 from benchmarks import COMPARISONS, DEMO  # noqa: E402
 from benchmarks import _progress as progress  # noqa: E402
-from benchmarks.__main__ import parse_args  # noqa: E402
+from benchmarks.__main__ import demo_duration, parse_args  # noqa: E402
 from benchmarks.plots import footer, loader_panel, pipeline_panel  # noqa: E402
 from benchmarks.report import loader_summary, render, summary  # noqa: E402
 
@@ -146,3 +148,60 @@ def test_the_demo_shows_the_transport_table_beside_the_pipeline(tmp_path: Path) 
     assert table in text and text.index(table) < text.index("fastloader vs torch's DataLoader")
     assert "pose HDF5 fields, batch 64" in table and "6.00x" in table and "0.82" in table
     assert "0.80x of fastloader's in-process rate" in table
+
+
+def test_the_readme_gives_the_demo_duration_its_header_gives() -> None:
+    readme = (Path(ROOT) / "README.md").read_text()
+    (line,) = [
+        line for line in readme.splitlines() if line.startswith("python3 -m benchmarks --quick")
+    ]
+    assert demo_duration() in line, (demo_duration(), line)
+    docs = (Path(ROOT) / "docs" / "benchmarks.md").read_text()
+    (line,) = [
+        line for line in docs.splitlines() if line.startswith("python3 -m benchmarks --quick")
+    ]
+    assert demo_duration() in line, (demo_duration(), line)
+
+
+def test_an_estimate_is_measured_or_not_shown(capsys: pytest.CaptureFixture) -> None:
+    busy = progress.Pace(idle=False)
+    assert busy.scale(20.0) is None  # a busy machine, nothing measured yet: no guess
+    busy.record(10.0, 25.0)
+    assert busy.scale(20.0) == 50.0  # measured: 2.5x slower than usual
+    with progress.Stage("[1/1] demo", 5.0, bar=False) as stage:
+        assert "s left" in stage._status()
+        stage._started -= 10.0  # it has run past its estimate
+        assert stage.left_s() is None and "left" not in stage._status()  # never "~0 s left"
+        stage.finish("done")
+    with progress.Stage("[1/1] demo", None, bar=False) as stage:
+        progress.plan(4)
+        assert stage.left_s() is None  # planned, nothing done yet: no rate to go on
+        stage.finish("done")
+    capsys.readouterr()
+
+
+def test_the_loader_table_explains_steady_near_1x_and_a_much_sooner_first_batch() -> None:
+    loader = _results()["comparisons"]["loader"]
+    loader["config"] = {"samples": 512, "batch_size": 32, "num_workers": 2}
+    text = loader_summary(loader)
+    assert "20.0x" in text  # sooner than torch, with steady 1.50x
+    assert "cross-epoch prefetch" in text and "not by a faster rate" in text
+    assert "torch's stall is 60 ms of a 0.5 s epoch" in text  # 512 samples at 1000/s
+
+
+def test_the_transport_table_explains_its_rows_without_workers() -> None:
+    from benchmarks.report import transport_summary
+
+    row = {
+        "data": "pose64",
+        "num_workers": 0,
+        "fastloader_samples_per_s": 150000.0,
+        "vs_torch": 7.0,
+        "fastloader_main_cpu_ms_per_batch": 0.13,
+        "torch_main_cpu_ms_per_batch": 0.82,
+    }
+    text = transport_summary({"rows": [row], "ratios": {}, "config": {"rounds": 5}})
+    assert "one __getitems__ call" in text
+    results = _results()
+    results["machine"]["main_process_torch_threads"] = 1
+    assert "1 intra-op thread" in summary(results, Path("out"), [])
