@@ -40,7 +40,7 @@ from fastloader import transforms as T
 SIZES = {
     #        photos, batch, rounds
     "tiny": (96, 16, 1),
-    "quick": (512, 32, 9),
+    "quick": (384, 32, 7),
     "full": (2000, 64, 9),
 }
 #: The loaders of the quick demo (``--quick``): the headline and its baselines, with enough

@@ -231,22 +231,28 @@ def loader_summary(result: dict) -> str:
         "",
         "samples/s: steady throughput, no training step; first batch: median of epochs 2 and "
         f"later, with a {config.get('step_ms', '?')} ms training step per batch",
-        _why_steady_and_start_differ(rate, first, config),
     ]
+    if "fastloader" in rows:
+        ratios = (steady("fastloader", "torch"), epoch_start("fastloader", "torch"))
+        lines.append(_why_steady_and_start_differ(*ratios, rate, first, config))
     return "\n".join(lines)
 
 
-def _why_steady_and_start_differ(rate: dict, first: dict, config: dict) -> str:
-    """The line that explains a loader table's two kinds of ratio (~1x steady, many x sooner)."""
+def _why_steady_and_start_differ(
+    steady: float, sooner: float, rate: dict, first: dict, config: dict
+) -> str:
+    """The line that explains a loader table's two kinds of ratio: a steady rate near torch's
+    and a first batch many times sooner."""
     samples = config.get("samples")
     epoch = f" of a {samples / rate['torch']:.1f} s epoch" if samples and rate["torch"] else ""
     return (
-        "why steady is near 1x while the first batch comes many times sooner: steady samples/s "
-        "is 2 worker processes decoding JPEGs, the same work under every loader; the first "
-        "batch is the stall at each epoch's start, which fastloader removes by loading the next "
-        "epoch during the previous one (cross-epoch prefetch), not by a faster rate: here "
-        f"torch's stall is {first['torch']:.0f} ms{epoch}, a small share on a dataset this "
-        "cheap, a large one with short epochs or workers slow to start"
+        f"why the first batch comes {_ratio(sooner)} sooner while steady samples/s is "
+        f"{_ratio(steady)} torch's: steady samples/s is 2 worker processes decoding JPEGs, the "
+        "same work under every loader; the first batch is the stall at each epoch's start, "
+        "which fastloader removes by loading the next epoch during the previous one "
+        "(cross-epoch prefetch), not by a faster rate. Here torch's stall is "
+        f"{first['torch']:.0f} ms{epoch}: a small share on a dataset this cheap, a large one "
+        "with short epochs or workers slow to start"
     )
 
 

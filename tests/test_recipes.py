@@ -155,10 +155,11 @@ def test_documented_python_compiles_and_its_fastloader_names_exist(where, code) 
 # --- where each name of a snippet comes from --------------------------------------------------
 #
 # A ```python block runs after `from fastloader import ...` alone, or says where each other
-# name comes from. Allowed without a definition: builtins, fastloader's public names (and the
-# module `fastloader` itself; `__all__`), `torch`, and the standard library's modules used as modules
-# (`random.seed`). Any other name is defined or imported in the block, or named in a comment
-# of the block that says whose it is: `# yours: model, train_step` or `# from FILE: NAME, ...`.
+# name comes from. Allowed without a definition: builtins, fastloader's public names (its
+# `__all__`, and the module `fastloader` itself), `torch`, and the standard library's modules
+# used as modules (`random.seed`). Any other name is defined or imported in the block, or
+# named in a comment of the block that says whose it is: `# yours: model, train_step` or
+# `# from FILE: NAME, ...`.
 # README blocks are excerpts of the examples (tests/test_examples.py): there, a name may also
 # be one the excerpted example defines, when the README's section names that example's file.
 WHERE = re.compile(r"#\s*(?:yours|from [^:#]+):(.*)")
