@@ -234,25 +234,29 @@ def loader_summary(result: dict) -> str:
     ]
     if "fastloader" in rows:
         ratios = (steady("fastloader", "torch"), epoch_start("fastloader", "torch"))
-        lines.append(_why_steady_and_start_differ(*ratios, rate, first, config))
+        whole = result.get("ratios", {}).get("epoch_throughput_vs_torch_persistent")
+        lines.append(_why_steady_and_start_differ(*ratios, whole, first, config))
     return "\n".join(lines)
 
 
 def _why_steady_and_start_differ(
-    steady: float, sooner: float, rate: dict, first: dict, config: dict
+    steady: float, sooner: float, whole: float | None, first: dict, config: dict
 ) -> str:
     """The line that explains a loader table's two kinds of ratio: a steady rate near torch's
     and a first batch many times sooner."""
-    samples = config.get("samples")
-    epoch = f" of a {samples / rate['torch']:.1f} s epoch" if samples and rate["torch"] else ""
+    epochs = (
+        f" (whole epochs, that wait included: {_ratio(whole)} torch persistent_workers=True)"
+        if whole
+        else ""
+    )
     return (
         f"why the first batch comes {_ratio(sooner)} sooner while steady samples/s is "
-        f"{_ratio(steady)} torch's: steady samples/s is 2 worker processes decoding JPEGs, the "
-        "same work under every loader; the first batch is the stall at each epoch's start, "
-        "which fastloader removes by loading the next epoch during the previous one "
-        "(cross-epoch prefetch), not by a faster rate. Here torch's stall is "
-        f"{first['torch']:.0f} ms{epoch}: a small share on a dataset this cheap, a large one "
-        "with short epochs or workers slow to start"
+        f"{_ratio(steady)} torch's: steady samples/s leaves out each epoch's first batch and "
+        f"is {config.get('num_workers', 2)} worker processes decoding JPEGs, the same work under "
+        "every loader; the first batch is the wait at each epoch's start, which fastloader "
+        "removes by loading the next epoch during the previous one (cross-epoch prefetch), not "
+        f"by a faster rate. Here torch waits {first['torch']:.0f} ms per epoch{epochs}; it "
+        "weighs most with short epochs or workers slow to start"
     )
 
 
