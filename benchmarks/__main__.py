@@ -78,7 +78,7 @@ EXPECTED_SECONDS = {
 # and 0.17 s with 1 (load 10, 1024 images, both loaders alike), and the in-process images
 # row read 0.3-0.8x torch from that noise alone (0.96x with 1 thread). So the demo sets one
 # intra-op thread, as fastloader's and torch's workers have; the other sizes keep torch's
-# default (threads.py, cheap.py record it).
+# default (results.json's machine.main_process_torch_threads says which ran).
 
 
 def _about(seconds: float) -> str:
