@@ -146,6 +146,7 @@ def test_tables_render_ratios_and_missing_cells() -> None:
     assert "b_vs_a: 0.50x" in report
 
 
+@pytest.mark.slow
 def test_transport_comparison_runs_tiny(tmp_path: Path) -> None:
     from benchmarks import transport
 
