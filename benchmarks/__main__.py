@@ -56,7 +56,7 @@ EXPECTED_SECONDS = {
         "mix": 20,
         "transport": 20,
     },
-    "quick": {"pipeline": 18, "loader": 20, "cheap": 120, "transport": 17, "threads": 100},
+    "quick": {"pipeline": 18, "loader": 18, "cheap": 120, "transport": 17, "threads": 100},
     "full": {
         "cheap": 300,
         "loader": 95,

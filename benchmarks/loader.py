@@ -36,7 +36,7 @@ from fastloader.sampling.seeds import sample_seed
 SIZES = {
     #        samples, batch, throughput rounds, epochs (epoch-start run), startup_s, seeding samples
     "tiny": (64, 16, 1, 3, 0.05, 2_000),
-    "quick": (384, 32, 3, 3, 0.5, 20_000),
+    "quick": (384, 32, 3, 3, 0.3, 8_000),
     "full": (1536, 32, 16, 6, 1.0, 100_000),
 }
 #: The training step of the epoch-start run, in loader batch intervals: > 1 so the loader keeps
