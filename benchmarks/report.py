@@ -357,7 +357,26 @@ def transport_summary(result: dict) -> str:
             f"rate (in the same rounds); in-process, {_ratio(plain)} of a plain __getitems__ + "
             "collate loop"
         )
+    lines += _why_short_epochs_travel_singly(in_process, config)
     return "\n".join(lines)
+
+
+def _why_short_epochs_travel_singly(in_process: float | None, config: dict) -> list[str]:
+    """The line that explains workers slower than the main process on short epochs of cheap
+    batches: groups start only at batch DECIDE_AT of each epoch."""
+    from fastloader.loader.transport.groups import DECIDE_AT
+
+    sizes = config.get("sizes") or ()
+    batches = sizes[1] // 64 if len(sizes) > 1 else None  # pose samples, batch 64
+    if in_process is None or in_process >= 1 or batches is None or batches >= 4 * DECIDE_AT:
+        return []
+    return [
+        f"why 2 workers are slower than the main process here: an epoch is {batches} batches, "
+        f"and cheap batches travel several to a message only from batch {DECIDE_AT} of each "
+        "epoch on (NOTE [ Batches per message ] in fastloader/loader/transport/groups.py), so "
+        "this short epoch goes mostly one batch a message; the full run's longer epochs "
+        "(README, transport rows) measure the grouped rate"
+    ]
 
 
 def _summary_head(results: dict) -> list[str]:

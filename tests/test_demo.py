@@ -208,3 +208,25 @@ def test_the_transport_table_explains_its_rows_without_workers() -> None:
     results = _results()
     results["machine"]["main_process_torch_threads"] = 1
     assert "1 intra-op thread" in summary(results, Path("out"), [])
+
+
+def test_workers_slower_than_the_main_process_on_short_epochs_say_why() -> None:
+    from benchmarks.report import transport_summary
+    from fastloader.loader.transport.groups import DECIDE_AT
+
+    row = {
+        "data": "pose64",
+        "num_workers": 2,
+        "fastloader_samples_per_s": 150000.0,
+        "vs_torch": 6.0,
+        "fastloader_main_cpu_ms_per_batch": 0.13,
+        "torch_main_cpu_ms_per_batch": 0.82,
+    }
+    ratios = {"pose64_2w_vs_fastloader_0w": 0.43, "pose64_0w_vs_plain_loop": 2.2}
+    short = {"rows": [row], "ratios": ratios, "config": {"rounds": 5, "sizes": (5, 2048)}}
+    assert (
+        f"32 batches, and cheap batches travel several to a message only from batch {DECIDE_AT}"
+        in (transport_summary(short))
+    )
+    long = {**short, "config": {"rounds": 5, "sizes": (5, 64 * 4 * DECIDE_AT)}}
+    assert "why 2 workers" not in transport_summary(long)  # long epochs: nothing to explain
