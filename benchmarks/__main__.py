@@ -6,9 +6,10 @@ Usage::
                          [--keep-work]
 
 ``quick`` (the default, also ``--quick``) is the demo: the training-pipeline comparison (the
-headline), the transport table and the loader comparison, about 1 minute on 2 idle cores (54
-s measured); ``full`` runs every
-comparison (under fifteen minutes); ``tiny`` every comparison in seconds (the smoke test).
+headline), the transport table and the loader comparison (its duration: :func:`demo_duration`,
+which the README repeats; the main process runs torch on one intra-op thread, see NOTE [ One
+intra-op thread in the demo ]); ``full`` runs every comparison (under fifteen minutes);
+``tiny`` every comparison in seconds (the smoke test).
 Data is made under ``DIR/work`` and removed at the end unless ``--keep-work``. A comparison
 that raises is recorded with its error and the others still run; the exit status is then 1.
 
@@ -55,7 +56,7 @@ EXPECTED_SECONDS = {
         "mix": 20,
         "transport": 20,
     },
-    "quick": {"pipeline": 45, "loader": 35, "cheap": 120, "transport": 20, "threads": 85},
+    "quick": {"pipeline": 18, "loader": 18, "cheap": 120, "transport": 17, "threads": 100},
     "full": {
         "cheap": 300,
         "loader": 95,
@@ -67,6 +68,26 @@ EXPECTED_SECONDS = {
         "transport": 400,
     },
 }
+
+
+# NOTE [ One intra-op thread in the demo ]
+# The demo's main process only consumes batches (and, without workers, makes them): its
+# copies are torch's clone and stack, which torch splits over its intra-op (OpenMP) threads.
+# On a busy 2-core machine one of those threads is often descheduled and every copy waits for
+# it at the barrier: 3x224x224 images without workers took 1.2-15 s an epoch with 2 threads
+# and 0.17 s with 1 (load 10, 1024 images, both loaders alike), and the in-process images
+# row read 0.3-0.8x torch from that noise alone (0.96x with 1 thread). So the demo sets one
+# intra-op thread, as fastloader's and torch's workers have; the other sizes keep torch's
+# default (results.json's machine.main_process_torch_threads says which ran).
+
+
+def _about(seconds: float) -> str:
+    return f"about {max(seconds / 60, 1):.0f} min on 2 idle cores"
+
+
+def demo_duration() -> str:
+    """How long the demo takes, from EXPECTED_SECONDS: its header and the README say this."""
+    return _about(sum(EXPECTED_SECONDS["quick"].get(name, 0) for name in DEMO))
 
 
 def parse_args(
@@ -130,6 +151,13 @@ def machine_info() -> dict:
     }
 
 
+def torch_threads() -> int:
+    """The main process's torch intra-op threads (NOTE [ One intra-op thread in the demo ])."""
+    import torch
+
+    return torch.get_num_threads()
+
+
 def run_comparison(name: str, size: str, workdir: Path) -> dict:
     """Run ``benchmarks.<name>.run(size, workdir)``; an exception becomes an ``error`` entry."""
     started = time.perf_counter()
@@ -148,42 +176,60 @@ def run_comparison(name: str, size: str, workdir: Path) -> dict:
     return {**summary, **result, "seconds": round(time.perf_counter() - started, 1)}
 
 
+def _start(args: argparse.Namespace) -> tuple[dict, Pace]:
+    """The results' machine entry, the demo's thread setting, the header line; and the pace."""
+    results = {"machine": machine_info(), "size": args.size, "comparisons": {}}
+    if args.size == "quick":  # NOTE [ One intra-op thread in the demo ]
+        import torch
+
+        torch.set_num_threads(1)
+    results["machine"]["main_process_torch_threads"] = torch_threads()
+    load = results["machine"]["load_average"]
+    busy = load is not None and load >= 1
+    usual = sum(EXPECTED_SECONDS.get(args.size, {}).get(name, 0) for name in args.only)
+    print(
+        f"Running {len(args.only)} comparison{'s' if len(args.only) > 1 else ''} at size "
+        f"{args.size} ({', '.join(args.only)}"
+        + (f"; {_about(usual)}" if usual else "")
+        + (f"; load average {load} now: longer" if busy else "")
+        + f"); results go to {args.out}/",
+        file=sys.stderr,
+        flush=True,
+    )
+    return results, Pace(idle=not busy)
+
+
+def _run_all(args: argparse.Namespace, results: dict, pace: Pace, workdir: Path) -> None:
+    """Each comparison in turn, with its progress bar (or lines)."""
+    expected = EXPECTED_SECONDS.get(args.size, {})
+    bars = sys.stderr.isatty()
+    for index, name in enumerate(args.only, 1):
+        label = f"[{index}/{len(args.only)}] {name}"
+        with Stage(label, pace.scale(expected.get(name)), bars) as stage:
+            result = run_comparison(name, args.size, workdir)
+            results["comparisons"][name] = result
+            status = (
+                f"skipped ({result['skipped']})"
+                if result["skipped"]
+                else "error (see the end)"
+                if "error" in result
+                else "done"
+            )
+            stage.finish(f"{status} in {result['seconds']:.0f} s")
+            if status == "done":  # a skip or an error says nothing about the pace
+                pace.record(expected.get(name), result["seconds"])
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks") -> int:
     """Run the suite; return 0, or 1 if a comparison raised."""
     args = parse_args(argv, prog)
     out = args.out
     workdir = out / "work"
     workdir.mkdir(parents=True, exist_ok=True)
-    results = {"machine": machine_info(), "size": args.size, "comparisons": {}}
+    results, pace = _start(args)
     started = time.perf_counter()
-    bars = sys.stderr.isatty()
-    expected = EXPECTED_SECONDS.get(args.size, {})
-    pace = Pace()
-    usual = sum(expected.get(name, 0) for name in args.only)
-    print(
-        f"Running {len(args.only)} comparison{'s' if len(args.only) > 1 else ''} at size "
-        f"{args.size} ({', '.join(args.only)}"
-        + (f"; about {max(usual / 60, 1):.0f} min on 2 idle cores" if usual else "")
-        + f"); results go to {out}/",
-        file=sys.stderr,
-        flush=True,
-    )
     try:
-        for index, name in enumerate(args.only, 1):
-            label = f"[{index}/{len(args.only)}] {name}"
-            with Stage(label, pace.scale(expected.get(name)), bars) as stage:
-                result = run_comparison(name, args.size, workdir)
-                results["comparisons"][name] = result
-                status = (
-                    f"skipped ({result['skipped']})"
-                    if result["skipped"]
-                    else "error (see the end)"
-                    if "error" in result
-                    else "done"
-                )
-                stage.finish(f"{status} in {result['seconds']:.0f} s")
-                if status == "done":  # a skip or an error says nothing about the pace
-                    pace.record(expected.get(name), result["seconds"])
+        _run_all(args, results, pace, workdir)
     finally:
         if not args.keep_work:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -4,10 +4,15 @@ A comparison may say which step it is on with :func:`note`, and how much measure
 left with :func:`plan` and :func:`advance` (rounds, epochs: any unit of roughly equal cost);
 it needs nothing else. The time left is always estimated from what this run measured:
 
-- within a stage that planned its work, from the rate of the work done so far;
-- otherwise from the stage's usual duration on 2 idle cores, scaled by how much slower than
-  usual this run's earlier stages were (:class:`Pace`), so a loaded machine gets honest
-  estimates after its first stage.
+- within a stage that planned its work, from the rate of the work done so far (once a unit
+  is done);
+- otherwise, on an idle machine (load average below 1 at the start), from the stage's usual
+  duration on 2 idle cores, scaled by how much slower than usual this run's earlier stages
+  were (:class:`Pace`). A busy machine slows each stage by its own factor (measured at load
+  7: the pipeline 6x its usual time, the loader comparison, which sleeps for its training
+  steps, 3x), so there a stage that did not plan its work shows its elapsed time only: a
+  guess off by 2x is worse than none. An estimate under a second is not shown ("~0 s left",
+  repeated, would be wrong every time).
 
 On a terminal the run's progress is one line: the running stage's bar, redrawn twice a second
 and erased when the stage ends, so that the summary printed at the end is the first screen.
@@ -53,17 +58,23 @@ def advance(units: float = 1) -> None:
 
 class Pace:
     """How much slower than its usual duration each finished stage ran (median), to scale the
-    estimates of the stages still to come."""
+    estimates of the stages still to come.
 
-    def __init__(self) -> None:
+    Args:
+        idle: whether the machine was idle at the start: on a busy one, no estimate comes from
+            the usual durations (see the module docstring).
+    """
+
+    def __init__(self, idle: bool = True) -> None:
         self.factors: list[float] = []
+        self.idle = idle
 
     def record(self, usual_s: float | None, took_s: float) -> None:
         if usual_s:
             self.factors.append(took_s / usual_s)
 
     def scale(self, usual_s: float | None) -> float | None:
-        if usual_s is None:
+        if usual_s is None or not self.idle:
             return None
         return usual_s * (statistics.median(self.factors) if self.factors else 1.0)
 
@@ -116,12 +127,13 @@ class Stage:
     def left_s(self) -> float | None:
         """Seconds left: from the planned work's measured rate, else from the expected time."""
         now = time.perf_counter()
+        left = None
         if self._total and self._done:
             rate = self._done / (now - self._planned_at)
-            return max(self._total - self._done, 0.0) / rate
-        if self.expected_s is not None:
-            return max(self.expected_s - self.elapsed(), 0.0) if not self._total else None
-        return None
+            left = max(self._total - self._done, 0.0) / rate
+        elif self.expected_s is not None and not self._total:
+            left = self.expected_s - self.elapsed()
+        return left if left is not None and left >= 1 else None  # never "~0 s left"
 
     def plan(self, total: float) -> None:
         self._total, self._done, self._planned_at = float(total), 0.0, time.perf_counter()

@@ -15,6 +15,12 @@ def paired_ratio(ours: Sequence[float], theirs: Sequence[float]) -> float:
     return statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
 
 
+def significant(value: float, digits: int = 3) -> float:
+    """``value`` rounded to ``digits`` significant digits, for reports: a ratio far below 1
+    keeps its size (0.000412, where rounding to 3 decimals would print 0.0)."""
+    return float(f"{value:.{digits}g}")
+
+
 def rotated(names: Sequence[str], round_: int) -> list[str]:
     """The order in which interleaved round ``round_`` runs ``names``: rotated by one each
     round, so no loader always runs first (after another's cache or page-cache warm-up)."""

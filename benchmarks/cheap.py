@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset
 
 from benchmarks._progress import note
-from benchmarks._stats import paired_ratio, rotated
+from benchmarks._stats import paired_ratio, rotated, significant
 from fastloader import DataLoader
 
 SIZES = {
@@ -166,7 +166,7 @@ def _compare(name: str, dataset: Dataset, batch: int, rounds: int) -> list[dict]
             row[f"{loader_name}_samples_per_s"] = round(samples / statistics.median(times), 1)
         for base in ("torch", "torch_persistent"):
             if base in seconds:  # samples/s ratio = inverse ratio of epoch times
-                row[f"vs_{base}"] = round(paired_ratio(seconds[base], seconds["fastloader"]), 3)
+                row[f"vs_{base}"] = significant(paired_ratio(seconds[base], seconds["fastloader"]))
         row["spread_vs_torch"] = _spread(seconds["torch"], seconds["fastloader"])
         rows.append(row)
     return rows
@@ -190,7 +190,7 @@ def _per_batch_us(batches: int, rounds: int) -> list[dict]:
         row: dict[str, Any] = {"num_workers": num_workers}
         for name, times in seconds.items():
             row[f"{name}_us_per_batch"] = round(statistics.median(times) / batches * 1e6, 2)
-        row["vs_torch"] = round(paired_ratio(seconds["torch"], seconds["fastloader"]), 3)
+        row["vs_torch"] = significant(paired_ratio(seconds["torch"], seconds["fastloader"]))
         rows.append(row)
     return rows
 

@@ -38,6 +38,7 @@ from benchmarks._photos import (
     image_folder,
     packed,
 )
+from benchmarks._stats import significant
 
 SIZES = {
     #        images, batch, passes, timed epochs per pass
@@ -222,7 +223,7 @@ def run(size: str, workdir: Path) -> dict:
     baseline = rows[0]["samples_per_s"]
     ratios = {}
     for row in rows:
-        row["vs_image_folder"] = round(row["samples_per_s"] / baseline, 3)
+        row["vs_image_folder"] = significant(row["samples_per_s"] / baseline)
         if row is not rows[0]:
             ratios[_key(row) + "_vs_image_folder"] = row["vs_image_folder"]
     best_raw = max(row["vs_image_folder"] for row in rows if row["store"] == "raw")

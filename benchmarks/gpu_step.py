@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset
 
+from benchmarks._stats import significant
 from fastloader.device import DevicePrefetcher
 from fastloader.vision.transforms import Normalize
 
@@ -180,7 +181,7 @@ def _compare(size: str, device: torch.device) -> dict:
             reference = reference or rate
             row = {"step": weight, "loader": name, "steps_per_s": round(rate, 2),
                    "samples_per_s": round(rate * batch, 1)}  # fmt: skip
-            row["vs_synthetic"] = round(rate / reference, 3) if weight != "none" else None
+            row["vs_synthetic"] = significant(rate / reference) if weight != "none" else None
             rows.append(row)
     notes = [
         "uint8 images normalized on the device; goal: ratios >= 0.95 where the CPU side keeps up",

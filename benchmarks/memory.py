@@ -29,6 +29,7 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from benchmarks._photos import ImageFolderDataset, ResizeCenterCrop, image_folder, packed
+from benchmarks._stats import significant
 from benchmarks.formats import fastloader_loader, pack_dataset
 
 SIZES = {
@@ -110,7 +111,7 @@ def worker_memory(
         loader.close()
     result = {f"{point}_mib": round(private, 2) for point, (private, _) in samples.items()}
     result["growth_mib"] = round(samples["end"][0] - samples["start"][0], 2)
-    result["end_over_start"] = round(samples["end"][0] / samples["start"][0], 3)
+    result["end_over_start"] = significant(samples["end"][0] / samples["start"][0])
     result["rss_start_mib"] = round(samples["start"][1], 1)
     result["rss_end_mib"] = round(samples["end"][1], 1)
     result["rss_growth_mib"] = round(samples["end"][1] - samples["start"][1], 2)

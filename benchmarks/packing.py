@@ -35,6 +35,7 @@ import numpy as np
 from PIL import Image
 
 from benchmarks._photos import ResizeCenterCrop, image_folder, scan_image_folder
+from benchmarks._stats import significant
 from benchmarks.formats import close_loader, epoch_rates, fastloader_loader, pack_dataset
 from fastloader import pack
 
@@ -288,16 +289,16 @@ def _ratios(rows: list[dict], read_rows: list[dict]) -> dict[str, float]:
     for row in rows:
         if row["tool"] == "fastloader" and row["format"] == "lmdb" and row["store"] in quick:
             ratio = row["images_per_s"] / quick[row["store"]]["images_per_s"]
-            ratios[f"pack_lmdb_{row['store']}_check_full_vs_quick"] = round(ratio, 3)
+            ratios[f"pack_lmdb_{row['store']}_check_full_vs_quick"] = significant(ratio)
     for row in rows:
         if row["tool"] == "fastloader" and row["store"] in peer:
             ratio = row["images_per_s"] / peer[row["store"]]["images_per_s"]
-            row["vs_litdata"] = round(ratio, 3)
+            row["vs_litdata"] = significant(ratio)
             ratios[f"pack_{row['format']}_{row['store']}_vs_litdata"] = row["vs_litdata"]
     peer_reads = {row["store"]: row for row in read_rows if row["tool"] == "litdata"}
     for row in read_rows:
         if row["tool"] == "fastloader":
             ratio = row["samples_per_s"] / peer_reads[row["store"]]["samples_per_s"]
-            row["vs_litdata"] = round(ratio, 3)
+            row["vs_litdata"] = significant(ratio)
             ratios[f"read_lmdb_{row['store']}_vs_litdata"] = row["vs_litdata"]
     return ratios

@@ -16,6 +16,13 @@ from typing import Any
 from benchmarks._stats import paired_ratio
 
 
+def _ratio(value: float) -> str:
+    """``0.96x``, ``54.0x``; below 0.01 two significant digits (``0.00041x``), never ``0.00x``."""
+    if 0 < abs(value) < 0.01:
+        return f"{value:.2g}x"
+    return f"{value:.2f}x" if value < 10 else f"{value:.1f}x"
+
+
 def format_value(key: str, value: Any) -> str:
     """A table cell: ratios as ``1.23x``, other numbers with about three significant digits."""
     if value is None:
@@ -23,7 +30,7 @@ def format_value(key: str, value: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return str(value)
     if key.startswith("vs_") or key.endswith("_over_start"):
-        return f"{value:.2f}x"
+        return _ratio(value)
     if isinstance(value, int) or not math.isfinite(value):
         return str(value)
     magnitude = abs(value)
@@ -145,10 +152,6 @@ _LOADER_NAMES = {"torch": "torch", "torch_persistent": "torch persistent_workers
 README_RESULTS = Path(__file__).resolve().parent / "results" / "results.json"
 
 
-def _ratio(value: float) -> str:
-    return f"{value:.2f}x" if value < 10 else f"{value:.1f}x"
-
-
 def _aligned(header: list[str], rows: list[list[str]]) -> str:
     """A plain table: first column left-aligned, the others right-aligned."""
     widths = [max(len(line[i]) for line in [header, *rows]) for i in range(len(header))]
@@ -229,7 +232,32 @@ def loader_summary(result: dict) -> str:
         "samples/s: steady throughput, no training step; first batch: median of epochs 2 and "
         f"later, with a {config.get('step_ms', '?')} ms training step per batch",
     ]
+    if "fastloader" in rows:
+        ratios = (steady("fastloader", "torch"), epoch_start("fastloader", "torch"))
+        whole = result.get("ratios", {}).get("epoch_throughput_vs_torch_persistent")
+        lines.append(_why_steady_and_start_differ(*ratios, whole, first, config))
     return "\n".join(lines)
+
+
+def _why_steady_and_start_differ(
+    steady: float, sooner: float, whole: float | None, first: dict, config: dict
+) -> str:
+    """The line that explains a loader table's two kinds of ratio: a steady rate near torch's
+    and a first batch many times sooner."""
+    epochs = (
+        f" (whole epochs, that wait included: {_ratio(whole)} torch persistent_workers=True)"
+        if whole
+        else ""
+    )
+    return (
+        f"why the first batch comes {_ratio(sooner)} sooner while steady samples/s is "
+        f"{_ratio(steady)} torch's: steady samples/s leaves out each epoch's first batch and "
+        f"is {config.get('num_workers', 2)} worker processes decoding JPEGs, the same work under "
+        "every loader; the first batch is the wait at each epoch's start, which fastloader "
+        "removes by loading the next epoch during the previous one (cross-epoch prefetch), not "
+        f"by a faster rate. Here torch waits {first['torch']:.0f} ms per epoch{epochs}; it "
+        "weighs most with short epochs or workers slow to start"
+    )
 
 
 def _readme_source() -> str:
@@ -315,6 +343,12 @@ def transport_summary(result: dict) -> str:
         "higher is better); main CPU: the main process's CPU time per batch, what a GPU step "
         "loses to loading",
     ]
+    if any(row["num_workers"] == 0 for row in rows):
+        lines.append(
+            "0 workers: both loaders make the batches in the main process; pose is faster "
+            "there because fastloader reads a batch's rows in one __getitems__ call (torch: one "
+            "sample at a time); the rest is the same work (fastloader also seeds every sample)"
+        )
     in_process = ratios.get("pose64_2w_vs_fastloader_0w")
     plain = ratios.get("pose64_0w_vs_plain_loop")
     if in_process is not None and plain is not None:
@@ -323,7 +357,61 @@ def transport_summary(result: dict) -> str:
             f"rate (in the same rounds); in-process, {_ratio(plain)} of a plain __getitems__ + "
             "collate loop"
         )
+    lines += _why_short_epochs_travel_singly(in_process, config)
     return "\n".join(lines)
+
+
+def _why_short_epochs_travel_singly(in_process: float | None, config: dict) -> list[str]:
+    """The line that explains workers slower than the main process on short epochs of cheap
+    batches: groups start only at batch DECIDE_AT of each epoch."""
+    from fastloader.loader.transport.groups import DECIDE_AT
+
+    sizes = config.get("sizes") or ()
+    batches = sizes[1] // 64 if len(sizes) > 1 else None  # pose samples, batch 64
+    if in_process is None or in_process >= 1 or batches is None or batches >= 4 * DECIDE_AT:
+        return []
+    return [
+        f"why 2 workers are slower than the main process here: an epoch is {batches} batches, "
+        f"and cheap batches travel several to a message only from batch {DECIDE_AT} of each "
+        "epoch on (NOTE [ Batches per message ] in fastloader/loader/transport/groups.py), so "
+        "this short epoch goes mostly one batch a message; the full run's longer epochs "
+        "(README, transport rows) measure the grouped rate"
+    ]
+
+
+def _summary_head(results: dict) -> list[str]:
+    """The summary's first line (size, seconds, load) and the demo's thread note."""
+    load = results["machine"].get("load_average")
+    lines = [
+        f"fastloader benchmarks, size {results['size']} ({results.get('seconds', 0):.0f} s"
+        + (f"; load average {load} at the start" if load else "")
+        + ")"
+    ]
+    if results["machine"].get("main_process_torch_threads") == 1:  # benchmarks/__main__.py:
+        lines.append(  # NOTE [ One intra-op thread in the demo ]
+            "the main process ran torch on 1 intra-op thread, as the workers do: with 2, on a "
+            "busy machine, its copies (0 workers) waited on each other and the ratios were noise"
+        )
+    return lines
+
+
+def _other_lines(name: str, result: dict) -> list[str]:
+    """A comparison without a table of its own in the summary: its ratios, a small table."""
+    if result.get("skipped"):
+        return [f"  {name}: skipped: {result['skipped']}"]
+    if result.get("error"):
+        return [f"  {name}: ERROR: {result['error'].strip().splitlines()[-1]}"]
+    ratios = [
+        f"{key.replace('_', ' ')} {format_value(_ratio_key(key), value)}"
+        for key, value in result.get("ratios", {}).items()
+    ]
+    if result.get("peer_skipped"):
+        ratios.append(f"peer skipped: {result['peer_skipped']}")
+    lines = [f"  {name}: " + ("; ".join(ratios) or "done")]
+    rows = result.get("rows") or []
+    if 0 < len(rows) <= _SMALL_TABLE and len(_columns(rows)) <= _SMALL_TABLE:
+        lines += ["    " + line for line in format_table(rows).splitlines()]
+    return lines
 
 
 def summary(results: dict, out: Path, plots: list[Path]) -> str:
@@ -331,12 +419,7 @@ def summary(results: dict, out: Path, plots: list[Path]) -> str:
     transport and loader tables, each other comparison's ratios in one line or two, where the
     results went."""
     comparisons = results["comparisons"]
-    load = results["machine"].get("load_average")
-    lines = [
-        f"fastloader benchmarks, size {results['size']} ({results.get('seconds', 0):.0f} s"
-        + (f"; load average {load} at the start" if load else "")
-        + ")"
-    ]
+    lines = _summary_head(results)
     shown = []
     shown_first = (
         ("pipeline", pipeline_summary),
@@ -354,22 +437,7 @@ def summary(results: dict, out: Path, plots: list[Path]) -> str:
     if others:
         lines += ["", "other comparisons (ratios; the tables are in results.md):"]
     for name in others:
-        result = comparisons[name]
-        if result.get("skipped"):
-            lines.append(f"  {name}: skipped: {result['skipped']}")
-        elif result.get("error"):
-            lines.append(f"  {name}: ERROR: {result['error'].strip().splitlines()[-1]}")
-        else:
-            ratios = [
-                f"{key.replace('_', ' ')} {format_value(_ratio_key(key), value)}"
-                for key, value in result.get("ratios", {}).items()
-            ]
-            if result.get("peer_skipped"):
-                ratios.append(f"peer skipped: {result['peer_skipped']}")
-            lines.append(f"  {name}: " + ("; ".join(ratios) or "done"))
-            rows = result.get("rows") or []
-            if 0 < len(rows) <= _SMALL_TABLE and len(_columns(rows)) <= _SMALL_TABLE:
-                lines += ["    " + line for line in format_table(rows).splitlines()]
+        lines += _other_lines(name, comparisons[name])
     written = [out / "results.md", out / "results.json", *plots]
     lines += [
         "",

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from benchmarks._stats import significant
 from fastloader import DataLoader
 from fastloader.loader.iterators import WorkerPoolIter
 from fastloader.loader.supervision import POLL_S
@@ -160,8 +161,8 @@ def run(size: str, workdir: Path) -> dict:
             {"measure": "samples/s, supervision off (median)", "value": round(steady["off"])},
         ],
         "ratios": {
-            "supervised_over_unsupervised_throughput": round(steady["ratio"], 3),
-            "supervised_over_unsupervised_paired_median": round(steady["paired"], 3),
+            "supervised_over_unsupervised_throughput": significant(steady["ratio"]),
+            "supervised_over_unsupervised_paired_median": significant(steady["paired"]),
         },
         "notes": [
             f"{healed['kills']} kills of the worker loading the next batch due; recovery = "

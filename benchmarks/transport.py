@@ -48,7 +48,7 @@ from fastloader.loader.transport import pipes
 # rounds, pose samples, token windows, index samples, images
 SIZES = {
     "tiny": (1, 512, 64, 2048, 128),
-    "quick": (5, 20_000, 4096, 131_072, 3072),
+    "quick": (5, 2048, 2048, 65_536, 1024),  # the demo: kept short (issue 40)
     "full": (7, 20_000, 4096, 131_072, 4096),
 }
 #: num_workers compared at each size; and whether fastloader with torch's transport runs too

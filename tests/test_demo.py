@@ -1,5 +1,7 @@
 """The demo (``python -m benchmarks --quick``): what it runs, that it prints what results.md
-says, and that its progress estimates come from measured rates. No timing is asserted."""
+says, that its surprising figures carry their explanation, that the README gives the duration
+its header gives, and that its progress estimates come from measured rates (or are not shown).
+No timing is asserted."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ if ROOT not in sys.path:
 
 from benchmarks import COMPARISONS, DEMO  # noqa: E402
 from benchmarks import _progress as progress  # noqa: E402
-from benchmarks.__main__ import parse_args  # noqa: E402
+from benchmarks.__main__ import demo_duration, parse_args  # noqa: E402
 from benchmarks.plots import footer, loader_panel, pipeline_panel  # noqa: E402
 from benchmarks.report import loader_summary, render, summary  # noqa: E402
 
@@ -89,10 +91,11 @@ def test_progress_lines_estimate_from_the_measured_rate(capsys: pytest.CaptureFi
         progress.note("making photos")
         assert "making photos" in stage._status() and "s left" in stage._status()  # the pace's
         progress.plan(4)
+        stage._planned_at -= 10.0  # the 2 units below took 10 s
         progress.advance(2)
         progress.note("round 3 of 4")
         assert "~60 s left" not in stage._status()  # from the 2 units measured, not the pace
-        assert "round 3 of 4" in stage._status() and "left" in stage._status()
+        assert "round 3 of 4" in stage._status() and "~10 s left" in stage._status()
         stage.finish("done in 1 s")
     lines = capsys.readouterr().err.splitlines()
     assert lines == ["[1/1] demo ... (~60 s)", "[1/1] demo: done in 1 s"]  # notes alone: silent
@@ -146,3 +149,84 @@ def test_the_demo_shows_the_transport_table_beside_the_pipeline(tmp_path: Path) 
     assert table in text and text.index(table) < text.index("fastloader vs torch's DataLoader")
     assert "pose HDF5 fields, batch 64" in table and "6.00x" in table and "0.82" in table
     assert "0.80x of fastloader's in-process rate" in table
+
+
+def test_the_readme_gives_the_demo_duration_its_header_gives() -> None:
+    readme = (Path(ROOT) / "README.md").read_text()
+    (line,) = [
+        line for line in readme.splitlines() if line.startswith("python3 -m benchmarks --quick")
+    ]
+    assert demo_duration() in line, (demo_duration(), line)
+    docs = (Path(ROOT) / "docs" / "benchmarks.md").read_text()
+    (line,) = [
+        line for line in docs.splitlines() if line.startswith("python3 -m benchmarks --quick")
+    ]
+    assert demo_duration() in line, (demo_duration(), line)
+
+
+def test_an_estimate_is_measured_or_not_shown(capsys: pytest.CaptureFixture) -> None:
+    busy = progress.Pace(idle=False)
+    busy.record(10.0, 25.0)
+    assert busy.scale(20.0) is None  # a busy machine slows each stage by its own factor
+    idle = progress.Pace()
+    idle.record(10.0, 12.0)
+    assert idle.scale(20.0) == 24.0
+    with progress.Stage("[1/1] demo", 5.0, bar=False) as stage:
+        assert "s left" in stage._status()
+        stage._started -= 10.0  # it has run past its estimate
+        assert stage.left_s() is None and "left" not in stage._status()  # never "~0 s left"
+        stage.finish("done")
+    with progress.Stage("[1/1] demo", None, bar=False) as stage:
+        progress.plan(4)
+        assert stage.left_s() is None  # planned, nothing done yet: no rate to go on
+        stage.finish("done")
+    capsys.readouterr()
+
+
+def test_the_loader_table_explains_steady_near_1x_and_a_much_sooner_first_batch() -> None:
+    loader = _results()["comparisons"]["loader"]
+    loader["config"] = {"samples": 512, "batch_size": 32, "num_workers": 2}
+    text = loader_summary(loader)
+    assert "first batch comes 20.0x sooner while steady samples/s is 1.50x torch's" in text
+    assert "cross-epoch prefetch" in text and "not by a faster rate" in text
+    assert "torch waits 60 ms per epoch" in text
+
+
+def test_the_transport_table_explains_its_rows_without_workers() -> None:
+    from benchmarks.report import transport_summary
+
+    row = {
+        "data": "pose64",
+        "num_workers": 0,
+        "fastloader_samples_per_s": 150000.0,
+        "vs_torch": 7.0,
+        "fastloader_main_cpu_ms_per_batch": 0.13,
+        "torch_main_cpu_ms_per_batch": 0.82,
+    }
+    text = transport_summary({"rows": [row], "ratios": {}, "config": {"rounds": 5}})
+    assert "one __getitems__ call" in text
+    results = _results()
+    results["machine"]["main_process_torch_threads"] = 1
+    assert "1 intra-op thread" in summary(results, Path("out"), [])
+
+
+def test_workers_slower_than_the_main_process_on_short_epochs_say_why() -> None:
+    from benchmarks.report import transport_summary
+    from fastloader.loader.transport.groups import DECIDE_AT
+
+    row = {
+        "data": "pose64",
+        "num_workers": 2,
+        "fastloader_samples_per_s": 150000.0,
+        "vs_torch": 6.0,
+        "fastloader_main_cpu_ms_per_batch": 0.13,
+        "torch_main_cpu_ms_per_batch": 0.82,
+    }
+    ratios = {"pose64_2w_vs_fastloader_0w": 0.43, "pose64_0w_vs_plain_loop": 2.2}
+    short = {"rows": [row], "ratios": ratios, "config": {"rounds": 5, "sizes": (5, 2048)}}
+    assert (
+        f"32 batches, and cheap batches travel several to a message only from batch {DECIDE_AT}"
+        in (transport_summary(short))
+    )
+    long = {**short, "config": {"rounds": 5, "sizes": (5, 64 * 4 * DECIDE_AT)}}
+    assert "why 2 workers" not in transport_summary(long)  # long epochs: nothing to explain

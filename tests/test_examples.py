@@ -248,6 +248,7 @@ def _mixed_order(prefix: Path, ranks: int) -> list:
     ]
 
 
+@pytest.mark.slow
 def test_train_mix_resumed_on_three_ranks_reads_what_two_ranks_would(tmp_path: Path) -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node"]
     script = str(EXAMPLES / "train_mix.py")

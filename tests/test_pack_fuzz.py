@@ -13,6 +13,7 @@ SUFFIX = {"lmdb": ".lmdb", "hdf5": ".h5"}
 FLIPS, TRUNCATIONS = 22, 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("store", ["raw", "encoded"])
 @pytest.mark.parametrize("backend", sorted(SUFFIX))
 def test_damaged_packs_give_pack_error_or_identical_samples(tmp_path, backend, store):
@@ -35,6 +36,7 @@ def test_damaged_packs_give_pack_error_or_identical_samples(tmp_path, backend, s
     assert bad == {}
 
 
+@pytest.mark.slow
 def test_the_harness_sees_crashes_and_silent_damage(tmp_path):
     good = make_pack(tmp_path / "good.lmdb", "lmdb", "raw")
     crash = tmp_path / f"x{CRASH_FOR_TEST}.lmdb"

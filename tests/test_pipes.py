@@ -139,7 +139,7 @@ def test_buffered_get_times_out_and_raises_empty_like_queue_get():
     started = time.monotonic()
     with pytest.raises(queue_module.Empty):
         get(timeout=0.2)
-    assert 0.15 < time.monotonic() - started < 3
+    assert 0.15 < time.monotonic() - started < 30  # waited the timeout, did not ignore it
 
 
 def test_buffered_get_raises_eof_when_every_writer_is_gone():
@@ -194,7 +194,7 @@ class _ReadsTasksDirectly(torch.utils.data.Dataset):
         return worker_guard.tasks_read_directly
 
 
-@pytest.mark.parametrize("start", ["fork", "spawn"])
+@pytest.mark.parametrize("start", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
 def test_workers_read_their_tasks_through_buffered_get(start):
     # guards the reach into torch's worker loop (iterators/worker_loop.py): its frame and its
     # index_queue local are found in every worker, under each start method

@@ -44,7 +44,11 @@ def test_the_depth_follows_the_bytes_of_a_batch():
 
 @pytest.mark.parametrize(
     ("size", "given", "depth"),
-    [(16, None, MAX_DEPTH), (PREFETCH_BYTES // 4 // 4, None, 2), (16, 3, 3)],
+    [
+        (16, None, MAX_DEPTH),
+        pytest.param(PREFETCH_BYTES // 4 // 4, None, 2, marks=pytest.mark.slow),
+        (16, 3, 3),
+    ],
 )
 def test_workers_keep_the_depth_in_flight_and_every_batch_in_order(size, given, depth):
     def loader(workers):

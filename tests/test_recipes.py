@@ -150,3 +150,163 @@ def test_documented_python_compiles_and_its_fastloader_names_exist(where, code) 
             and node.value.id == "fastloader"
         ):
             assert hasattr(fastloader, node.attr), f"{where}: fastloader.{node.attr}"
+
+
+# --- where each name of a snippet comes from --------------------------------------------------
+#
+# A ```python block runs after `from fastloader import ...` alone, or says where each other
+# name comes from. Allowed without a definition: builtins, fastloader's public names (its
+# `__all__`, and the module `fastloader` itself), `torch`, and the standard library's modules
+# used as modules (`random.seed`). Any other name is defined or imported in the block, or
+# named in a comment of the block that says whose it is: `# yours: model, train_step` or
+# `# from FILE: NAME, ...`.
+# README blocks are excerpts of the examples (tests/test_examples.py): there, a name may also
+# be one the excerpted example defines, when the README's section names that example's file.
+WHERE = re.compile(r"#\s*(?:yours|from [^:#]+):(.*)")
+MARKED = re.compile(r"<!-- example: (\S+) -->\s*\n```python\n(.*?)```", re.S)
+
+
+class _Names(ast.NodeVisitor):
+    """The names a piece of code binds, and those it reads (with whether as a module:
+    ``name.attribute``)."""
+
+    def __init__(self) -> None:
+        self.bound: set[str] = set()
+        self.read: dict[str, bool] = {}  # name -> read only as `name.attr`
+
+    def visit_Name(self, node: ast.Name) -> None:
+        if isinstance(node.ctx, ast.Load):
+            self.read.setdefault(node.id, True)
+        else:
+            self.bound.add(node.id)
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        if isinstance(node.value, ast.Name) and isinstance(node.value.ctx, ast.Load):
+            self.read.setdefault(node.value.id, True)
+        else:
+            self.visit(node.value)
+
+    def generic_visit(self, node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Name) and isinstance(child.ctx, ast.Load):
+                self.read[child.id] = False  # read as a value, not only as `child.attr`
+                continue
+            self.visit(child)
+
+    def visit_Import(self, node: ast.Import) -> None:
+        self.bound.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        self.bound.update(alias.asname or alias.name for alias in node.names)
+
+    def visit_arg(self, node: ast.arg) -> None:
+        self.bound.add(node.arg)
+
+    def _named(self, node: ast.AST) -> None:
+        self.bound.add(node.name)
+        self.generic_visit(node)
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _named
+
+    def visit_ExceptHandler(self, node: ast.ExceptHandler) -> None:
+        if node.name:
+            self.bound.add(node.name)
+        self.generic_visit(node)
+
+
+def _names(code: str) -> _Names:
+    names = _Names()
+    names.visit(ast.parse(code))
+    return names
+
+
+def _as_python(code: str) -> str:
+    """The block as parseable Python: an excerpt that stops at a loop's head gets a body."""
+    last = code.rstrip().splitlines()[-1]
+    if last.split("#")[0].rstrip().endswith(":"):
+        code += " " * (len(last) - len(last.lstrip()) + 4) + "...\n"
+    return code
+
+
+def _unexplained(code: str) -> list[str]:
+    """The names ``code`` reads that it neither binds nor may take as given (see above)."""
+    import builtins
+
+    import fastloader
+
+    names = _names(_as_python(code))
+    said = {  # "# yours: model, train (a Dataset)": model, train
+        name.strip()
+        for match in WHERE.finditer(code)
+        for name in re.sub(r"\([^()]*\)", "", match.group(1)).split(",")
+        if name.strip().isidentifier()
+    }
+    given = said | {"fastloader", "torch"} | set(dir(builtins))
+    modules = set(sys.stdlib_module_names)
+    return sorted(
+        name
+        for name, as_module in names.read.items()
+        if name not in names.bound
+        and name not in given
+        and name not in fastloader.__all__
+        and not (as_module and name in modules)
+    )
+
+
+def _section(text: str, at: int) -> str:
+    """The README section (heading to heading) around position ``at``, as it reads (without
+    the example markers, which a reader does not see)."""
+    start = text.rfind("\n#", 0, at)
+    end = text.find("\n#", at)
+    return re.sub(r"<!--.*?-->", "", text[start : end if end >= 0 else len(text)])  # seen
+
+
+def _readme_blocks() -> list[tuple[str, str, str]]:
+    text = (ROOT / "README.md").read_text()
+    return [
+        (match.group(1), match.group(2), _section(text, match.start()))
+        for match in MARKED.finditer(text)
+    ]
+
+
+_DOCS_BLOCKS = [block for block in _python_blocks() if block[0] != "README.md"]
+
+
+@pytest.mark.parametrize(
+    ("where", "code"),
+    _DOCS_BLOCKS,
+    ids=[f"{where}-{at}" for at, (where, _) in enumerate(_DOCS_BLOCKS)],
+)
+def test_a_docs_snippet_says_where_each_of_its_names_comes_from(where, code) -> None:
+    missing = _unexplained(code)
+    assert not missing, (
+        f"{where}: the block reads {missing} without defining or importing them; import them, "
+        f"or say whose they are in a comment (`# yours: NAME, ...`):\n{code}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("example", "code", "section"),
+    _readme_blocks(),
+    ids=[f"{example}-{at}" for at, (example, _, _) in enumerate(_readme_blocks())],
+)
+def test_a_readme_excerpt_takes_its_other_names_from_the_example_it_names(
+    example, code, section
+) -> None:
+    missing = _unexplained(code)
+    if not missing:
+        return
+    assert example in section, (
+        f"README.md: a block uses {missing} from {example}, and its section does not name "
+        f"{example}:\n{code}"
+    )
+    defined = _names((ROOT / example).read_text()).bound
+    assert set(missing) <= defined, f"{example} does not define {set(missing) - defined}"
+
+
+def test_the_name_check_catches_a_name_from_nowhere() -> None:
+    assert _unexplained("loader = DataLoader(TokenWindows('a.npy'))\n") == ["TokenWindows"]
+    assert _unexplained("# yours: TokenWindows\nDataLoader(TokenWindows('a.npy'))\n") == []
+    assert _unexplained("import math\nx = math.pi + random.random()\n") == []
+    assert _unexplained("Mix({'math': math})\n") == ["math"]  # a dataset, not the module
+    assert _unexplained("for x in y:\n") == ["y"]

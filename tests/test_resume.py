@@ -63,6 +63,7 @@ def test_state_after_a_complete_epoch_resumes_at_the_next_epoch():
     assert resumed.epoch == 1
 
 
+@pytest.mark.slow
 def test_resume_in_another_process(tmp_path: Path):
     first = _loader(1)
     iterator = iter(first)

@@ -36,6 +36,7 @@ def test_same_batches_for_any_worker_count_and_persistence(reference, num_worker
     loader.close()
 
 
+@pytest.mark.slow
 def test_same_batches_with_spawned_workers(reference):
     loader = DataLoader(
         RandomDraws(24),

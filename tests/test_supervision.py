@@ -55,6 +55,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_killed_workers_are_replaced_and_every_epoch_equals_a_clean_run():
     report = _run("kills")
     assert report["equal"] == {"one": True, "all": True, "between": True, "out_of_order": True}
@@ -66,6 +67,7 @@ def test_killed_workers_are_replaced_and_every_epoch_equals_a_clean_run():
     assert all("pid" in w for k in warned for w in warned[k])
 
 
+@pytest.mark.slow
 def test_ctrl_c_to_the_process_group_raises_in_the_loop_and_next_epoch_has_fresh_workers():
     with _in_own_session("interrupted", stderr=subprocess.PIPE) as child:
         assert child.stdout.readline().strip() == "READY"
@@ -93,6 +95,7 @@ def test_a_sample_that_kills_its_worker_three_times_raises_naming_epoch_and_indi
         assert "DataLoader worker (pid" in error and "is killed by signal: Killed" in error
 
 
+@pytest.mark.slow
 def test_workers_that_cannot_be_restored_make_every_epoch_raise():
     outcomes = _run("unrestorable")["outcomes"]
     assert outcomes[0] == 8
@@ -108,6 +111,7 @@ def _expected(poison, batch_size, length=24):
     return [("poison" if set(b) & set(poison) else b) for b in batches]
 
 
+@pytest.mark.slow
 def test_poison_batches_one_after_another_each_raise_and_the_epoch_goes_on():
     # Each poison verdict settles its task: it is progress, not a worker that cannot be
     # restored (that used to raise WorkersLostError, or wait forever for the next result).
@@ -154,6 +158,7 @@ def test_workers_exit_soon_after_the_main_process_is_killed_inside_a_long_getite
         assert not any(_alive(p) for p in pids), "workers outlived the main process"
 
 
+@pytest.mark.slow
 def test_timeout_names_the_stuck_worker_its_indices_and_shows_its_stack():
     report = _run("stalled")
     message = report["message"]
@@ -180,6 +185,7 @@ def test_a_forked_worker_that_never_starts_is_replaced_and_the_epochs_are_unchan
     assert report["seconds"] < 60
 
 
+@pytest.mark.slow
 def test_a_timeout_before_the_start_up_check_names_the_worker_that_never_started(tmp_path):
     os.environ["FASTLOADER_TEST_HANG_ONCE"] = str(tmp_path / "hung-once")
     try:

@@ -182,6 +182,7 @@ def test_worker_init_fn_that_leaves_the_rngs_alone_does_not_warn(recwarn):
     loader.close()
 
 
+@pytest.mark.slow
 def test_forkserver_workers_run_without_deaths(recwarn):
     loader = DataLoader(
         list(range(8)), batch_size=2, num_workers=2, multiprocessing_context="forkserver"

@@ -164,6 +164,7 @@ _KILLED_MID_WRITE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="SIGKILL and Linux pipes")
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_worker_killed_while_writing_a_large_batch_never_hangs_the_loop(tmp_path, workers):

@@ -262,6 +262,7 @@ def _our_names(before: set[str], pids: list[str]) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 @pytest.mark.parametrize("who", ["main", "worker"])
 def test_nothing_is_left_in_dev_shm_after_sigkill(who):

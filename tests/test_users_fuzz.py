@@ -13,6 +13,7 @@ from benchmarks.fuzz_users import OUTCOMES, classify, fuzz
 TRIALS = 40
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["hdf5", "lmdb"])
 def test_damaged_users_files_give_pack_error_or_what_the_library_reads(tmp_path, kind):
     counts, by_kind = fuzz(tmp_path, kind, TRIALS, seed=11)
