@@ -8,8 +8,8 @@ supervised), ``process.py`` (processes, signals, partial files), ``fields.py`` (
 fields), ``output.py`` (the atomic rename, a full disk), ``sharded.py`` (``shard_size=``:
 many packs and a manifest, NOTE [ Packing shards ]).
 
-May import: ``vision``, ``formats``, ``shards``, ``parent_death``; never ``loader``, ``datasets`` or torch
-at module level (the packer's workers must start fast).
+May import: ``vision``, ``formats``, ``shards``, ``parent_death``; never ``loader``,
+``datasets`` or torch at module level (the packer's workers must start fast).
 """
 
 from fastloader.packing.options import check_options
