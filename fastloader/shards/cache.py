@@ -15,9 +15,10 @@ One folder per sharded pack, ``CACHE_DIR/<hash of the URL>/``, marked as ours by
   closes the lock files it inherited (``os.register_at_fork``): only their owner holds them.
 * A hard limit. Before a download, under ``.cache.lock``, the bytes of the shards present plus
   those being downloaded (their manifest sizes) must leave room; else the least recently read
-  shards are evicted, each only if its lock can be taken (no one downloads it). Reads touch a
-  shard's mtime (once a second per process), so the shards the order reads now are the most
-  recent. A process that has an evicted shard open closes it at its next batch (datasets/
+  shards are evicted, each only if its lock can be taken (no one downloads it). Reads set a
+  shard's access time (once a second per process; set explicitly, so ``noatime`` mounts do
+  not matter), so the shards the order reads now are the most recent. Never its mtime: a
+  pack reader takes a changed mtime for a changed file (formats/packfile.py). A process that has an evicted shard open closes it at its next batch (datasets/
   sharded.py), so its bytes are freed. ``cache_limit`` below what the order needs at once
   (``cache_minimum``) is refused at start, naming the minimum: a smaller cache would evict
   shards still being read, and fetch them again and again.
@@ -186,8 +187,9 @@ class ShardCache:
         now = time.monotonic()
         if now - self._touched.get(shard.name, -2.0) >= 1.0:
             self._touched[shard.name] = now
-            with contextlib.suppress(FileNotFoundError):
-                os.utime(self.path(shard))
+            path = self.path(shard)
+            with contextlib.suppress(FileNotFoundError):  # atime only: NOTE [ The shard cache ]
+                os.utime(path, ns=(time.time_ns(), path.stat().st_mtime_ns))
 
     def ensure(self, shard: Shard) -> Path:
         """The local path of ``shard``, downloaded (once per node) if it is not here.
@@ -285,7 +287,7 @@ class ShardCache:
             name = entry.name
             if name in self.sizes and name != downloading:
                 with contextlib.suppress(FileNotFoundError):
-                    present.append((entry.stat().st_mtime, name, entry.stat().st_size))
+                    present.append((entry.stat().st_atime, name, entry.stat().st_size))
                     used += entry.stat().st_size
             elif name.startswith(".") and ".partial-" in name:
                 owner = name[1:].split(".partial-")[0]
