@@ -142,3 +142,12 @@ def test_the_dataset_pickles_without_open_shards(folder):
     dataset[0]
     copy = pickle.loads(pickle.dumps(dataset))
     assert not copy._open and int(copy[5]["y"]) == 5
+
+
+def test_shuffle_true_on_a_sharded_dataset_takes_the_shard_aware_order(folder):
+    dataset = ShardedDataset(folder)
+    loader = DataLoader(dataset, batch_size=16, shuffle=True, seed=SEED)
+    assert isinstance(loader.sampler, ShardOrderSampler)
+    ys = [y for batch in loader for y in _ys(batch)]
+    assert sorted(ys) == list(range(400)) and ys != list(range(400))
+    assert ys == [y for batch in _loaders(dataset, 1, 16)[0] for y in _ys(batch)]

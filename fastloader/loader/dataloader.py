@@ -153,6 +153,9 @@ class DataLoader(TorchDataLoader[T_co]):
             pin_memory = True
         is_map_style = not isinstance(dataset, IterableDataset)
 
+        sampler, shuffle = _shard_order(  # a sharded pack: its shard-aware order (docs/remote.md)
+            dataset, sampler, batch_sampler, shuffle, distributed, batch_size, seed, drop_last
+        )
         sampler, shuffle = mixing.choose_sampler(  # a Mix: its own order (sampling/mix.py)
             dataset, sampler, batch_sampler, distributed, shuffle, batch_size, drop_last, seed
         )
@@ -401,6 +404,29 @@ def _record_set_epoch_calls(loader: DataLoader) -> list[RecordedSetEpoch]:
             recorder.requested = epoch  # set_epoch called before the loader was made
         recorders.append(recorder)
     return recorders
+
+
+def _shard_order(
+    dataset: Any,
+    sampler: Any,
+    batch_sampler: Any,
+    shuffle: Any,
+    distributed: bool,
+    batch_size: int | None,
+    seed: int,
+    drop_last: bool,
+) -> tuple[Any, Any]:
+    """``(sampler, shuffle)``, or for a dataset of shards (``shard_counts``) shuffled with no
+    sampler of the user's, a ``ShardOrderSampler`` (NOTE [ The shard-aware order ])."""
+    if not shuffle or sampler is not None or batch_sampler is not None:
+        return sampler, shuffle
+    if getattr(dataset, "shard_counts", None) is None:
+        return sampler, shuffle
+    from fastloader.sampling.shard_order import ShardOrderSampler
+
+    world = {} if distributed else {"num_replicas": 1, "rank": 0}
+    order = ShardOrderSampler(dataset, batch_size or 1, seed=seed, drop_last=drop_last, **world)
+    return order, None
 
 
 def _distributed_sampler(
