@@ -159,19 +159,25 @@ class ShardedDataset(Dataset):
         self._reads += 1
         if self._reads % 16 == 0:
             self._forget_evicted()
-        indices = [int(i) for i in indices]
-        shards = [self.shard_of(i) for i in indices]
-        out: list[Any] = [None] * len(indices)
-        for number in dict.fromkeys(shards):
-            slots = [k for k, s in enumerate(shards) if s == number]
-            globals_ = iter([indices[k] for k in slots])
-            local = [indices[k] - int(self._starts[number]) for k in slots]
-            hook = None if before_each is None else (lambda _, g=globals_: before_each(next(g)))
+        wanted = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if len(wanted) and (wanted.min() < 0 or wanted.max() >= len(self)):
+            bad = wanted[(wanted < 0) | (wanted >= len(self))][0]
+            raise IndexError(f"{self.url}: index {bad} out of range ({len(self)} samples)")
+        shards = np.searchsorted(self._starts, wanted, side="right") - 1
+        by_shard = np.argsort(shards, kind="stable")
+        groups = np.split(by_shard, np.flatnonzero(np.diff(shards[by_shard])) + 1)
+        out: list[Any] = [None] * len(wanted)
+        for slots in groups if len(wanted) else []:
+            number = int(shards[slots[0]])
             if self.cache is not None:
                 self.cache.touch(self.manifest.shards[number])
-            for k, sample in zip(
-                slots, self._shard(number).getitems_with(local, hook), strict=True
-            ):
+            hook = None
+            if before_each is not None:
+                pending = iter(wanted[slots].tolist())
+                hook = lambda _, g=pending: before_each(next(g))  # noqa: E731 - its global index
+            local = (wanted[slots] - self._starts[number]).tolist()
+            samples = self._shard(number).getitems_with(local, hook)
+            for k, sample in zip(slots.tolist(), samples, strict=True):
                 out[k] = sample
         return out
 
