@@ -31,6 +31,8 @@ one.
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Iterator, Sequence, Sized
 from typing import Any
 
@@ -90,6 +92,21 @@ def shard_epoch_order(
     return shuffled[bounds[position % lanes] + position // lanes]
 
 
+def _warn_if_nodes_share_lanes(lanes: int, world: int) -> None:
+    """Fewer lanes than nodes: each lane is read by several nodes, and each of them downloads
+    its shards (docs/remote.md: 8 lanes on 64 nodes fetched 7x the data per node)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or world
+    nodes = max(1, world // max(1, local))
+    if lanes < nodes:
+        warnings.warn(
+            f"ShardOrderSampler: lanes={lanes} is below the {nodes} nodes, so nodes share "
+            f"lanes and each downloads about {nodes / lanes:.0f}x its share of the shards; "
+            "pass lanes= a multiple of the world size (docs/remote.md)",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 class ShardOrderSampler(ElasticDistributedSampler):
     """``ElasticDistributedSampler`` over the shard-aware order (NOTE [ The shard-aware order ]).
 
@@ -125,6 +142,7 @@ class ShardOrderSampler(ElasticDistributedSampler):
             window or getattr(dataset, "window", DEFAULT_WINDOW),
         )
         self.shard_counts = np.asarray(dataset.shard_counts, dtype=np.int64)  # type: ignore[attr-defined]
+        _warn_if_nodes_share_lanes(self.lanes, self.num_replicas)
 
     @property
     def order_name(self) -> str:
