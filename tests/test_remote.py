@@ -185,3 +185,47 @@ def test_a_server_gone_for_good_is_a_clear_error_naming_the_url_not_a_hang(tmp_p
     run = _run(code, env)
     assert run.returncode != 0
     assert "ConnectionError: s3://b/x/manifest.json at http://127.0.0.1:9" in run.stderr
+
+
+@pytest.fixture
+def proxy(s3):
+    from tests._fault_proxy import FaultProxy
+
+    proxy = FaultProxy(s3.endpoint)
+    yield proxy
+    proxy.close()
+
+
+def _through(proxy, url, tmp_path, **options):
+    return ShardedDataset(url, cache_dir=tmp_path, endpoint_url=proxy.endpoint, **options)
+
+
+def test_a_503_storm_is_retried_and_every_sample_arrives(url, proxy, tmp_path):
+    proxy.add("503", count=5)
+    dataset = _through(proxy, url, tmp_path)
+    assert [int(s["y"]) for s in dataset.__getitems__(list(range(300)))] == list(range(300))
+    assert sum(done == "503" for _, done in proxy.served) == 5
+
+
+def test_bodies_cut_off_mid_shard_are_fetched_again_from_where_they_stopped(url, proxy, tmp_path):
+    dataset = _through(proxy, url, tmp_path)
+    proxy.add("cut", count=3, match="shard-0000", argument=3000)
+    assert [int(s["y"]) for s in dataset.__getitems__(list(range(300)))] == list(range(300))
+    cut = [line for line, done in proxy.served if done == "cut"]
+    assert len(cut) == 3
+    ranged = [line for line, done in proxy.served if done == "forwarded" and "shard-0000" in line]
+    assert ranged  # the rest of each cut body came in another request
+
+
+def test_a_stalled_server_times_out_and_is_retried(url, proxy, tmp_path):
+    from fastloader.shards.s3 import S3Store
+
+    store = S3Store(url, endpoint_url=proxy.endpoint, retries=3, timeout=1.0)
+    proxy.add("stall", count=1, match="manifest", argument=4.0)
+    assert store.read_bytes("manifest.json", 1 << 20).startswith(b"{")
+
+
+def test_dropped_connections_are_retried(url, proxy, tmp_path):
+    proxy.add("drop", count=3)
+    dataset = _through(proxy, url, tmp_path)
+    assert int(dataset[299]["y"]) == 299
