@@ -119,9 +119,15 @@ class ShardedDataset(Dataset):
             return pack
         while len(self._open) >= self.open_shards:
             self._open.popitem(last=False)[1].close()
-        path = self._path(number)
-        pack = open_pack(path, **self.pack_options)
-        pack.shard_inode = os.stat(path).st_ino  # see _forget_evicted
+        for attempt in range(3):
+            path = self._path(number)
+            try:
+                pack = open_pack(path, **self.pack_options)
+                pack.shard_inode = os.stat(path).st_ino  # see _forget_evicted
+                break
+            except FileNotFoundError:  # evicted between its download and this open: again
+                if self.cache is None or attempt == 2:
+                    raise
         self._open[number] = pack
         return pack
 
