@@ -18,8 +18,9 @@ One folder per sharded pack, ``CACHE_DIR/<hash of the URL>/``, marked as ours by
   shards are evicted, each only if its lock can be taken (no one downloads it). Reads set a
   shard's access time (once a second per process; set explicitly, so ``noatime`` mounts do
   not matter), so the shards the order reads now are the most recent. Never its mtime: a
-  pack reader takes a changed mtime for a changed file (formats/packfile.py). A process that has an evicted shard open closes it at its next batch (datasets/
-  sharded.py), so its bytes are freed. ``cache_limit`` below what the order needs at once
+  pack reader takes a changed mtime for a changed file (formats/packfile.py). A process that
+  has an evicted shard open closes it within 16 batches (datasets/sharded.py), so its bytes
+  are freed. ``cache_limit`` below what the order needs at once
   (``cache_minimum``) is refused at start, naming the minimum: a smaller cache would evict
   shards still being read, and fetch them again and again.
 * It deletes only what it downloaded: shard names from the manifest (plain names, checked)
