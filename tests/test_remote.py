@@ -229,3 +229,30 @@ def test_dropped_connections_are_retried(url, proxy, tmp_path):
     proxy.add("drop", count=3)
     dataset = _through(proxy, url, tmp_path)
     assert int(dataset[299]["y"]) == 299
+
+
+def test_a_server_stopped_mid_epoch_and_started_again_completes_the_epoch(
+    s3, tmp_path, monkeypatch
+):
+    import threading
+
+    server = _seaweed.start(tmp_path / "own")
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
+        boto3.client("s3").create_bucket(Bucket="restarts")
+        target = "s3://restarts/train"
+        pack(Fields(120), target, shard_size="12KB", workers=0)
+        dataset = ShardedDataset(target, cache_dir=tmp_path / "c", endpoint_url=server.endpoint)
+        first = [int(s["y"]) for s in dataset.__getitems__(list(range(40)))]
+        _seaweed.stop(server)
+        restarted = []
+        later = threading.Timer(
+            1.0, lambda: restarted.append(_seaweed.start(tmp_path / "own", ports=server.ports))
+        )
+        later.start()
+        rest = [int(s["y"]) for s in dataset.__getitems__(list(range(40, 120)))]
+        later.join()
+        server = restarted[0]
+    finally:
+        _seaweed.stop(server)
+    assert first + rest == list(range(120))
