@@ -67,6 +67,8 @@ def test_packed_to_the_server_every_sample_reads_back_equal(url, tmp_path):
     assert len(dataset) == 300
     assert [int(dataset[i]["x"][0, 0]) for i in range(300)] == list(range(300))
     assert dataset.cache.stats.downloads == len(dataset.manifest.shards)
+    stats = dataset.cache_stats()  # every process of the node: here one
+    assert stats.bytes_downloaded == dataset.manifest.size_bytes and stats.hit_rate < 1
     again = ShardedDataset(url, cache_dir=tmp_path)  # the node's cache: no download
     assert [int(s["y"]) for s in again.__getitems__(list(range(300)))] == list(range(300))
     assert again.cache.stats.downloads == 0
@@ -124,6 +126,11 @@ def test_exact_resume_across_world_sizes_from_remote_shards(url, tmp_path):
         seen += [y for batch in loader for y in _ys(batch)]
         loader.close()
     assert sorted(seen) == list(range(300))
+    # 3 ranks x (2 workers + the download-ahead thread) on one node: each shard fetched once
+    stats = resumed[0].dataset.cache_stats()
+    manifest = resumed[0].dataset.manifest
+    assert 0 < stats.downloads <= len(manifest.shards)
+    assert stats.bytes_downloaded <= manifest.size_bytes
 
 
 def test_spawned_workers_make_their_own_client(url, tmp_path):

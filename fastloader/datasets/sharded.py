@@ -198,6 +198,12 @@ class ShardedDataset(Dataset):
         if self.cache is not None:
             self.cache.reading_at(position)
 
+    def cache_stats(self) -> Any:
+        """The cache's counters over every process of this node that used it (``CacheStats``:
+        hits, misses, hit_rate, wait_seconds, downloads, bytes_downloaded, evictions), or None
+        for a folder read in place."""
+        return None if self.cache is None else self.cache.node_stats()
+
     def close(self) -> None:
         """Close every shard open in this process, and stop downloading ahead."""
         for pack in self._open.values():

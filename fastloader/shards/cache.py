@@ -27,6 +27,9 @@ One folder per sharded pack, ``CACHE_DIR/<hash of the URL>/``, marked as ours by
   and its own partial files, inside the folder it marked.
 * Download ahead: the main process of each rank runs one thread that downloads the shards its
   order reads next, at most ``ahead`` shards beyond the shard being read (``plan``).
+* Counters: each process writes its ``CacheStats`` (readers' hits and misses, seconds readers
+  waited, downloads and bytes, evictions) to ``.stats/HOST-PID.json``; ``node_stats`` adds up
+  every process's (workers included).
 """
 
 from __future__ import annotations
@@ -35,11 +38,13 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import json
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +167,7 @@ class ShardCache:
         self._stopped = False
         self._pid = os.getpid()
         self.plan_error: BaseException | None = None
+        self._published = -2.0
 
     def __getstate__(self) -> dict[str, Any]:
         keep = ("store", "limit", "shards", "sizes", "folder")
@@ -192,19 +198,24 @@ class ShardCache:
             with contextlib.suppress(FileNotFoundError):  # atime only: NOTE [ The shard cache ]
                 os.utime(path, ns=(time.time_ns(), path.stat().st_mtime_ns))
 
-    def ensure(self, shard: Shard) -> Path:
+    def ensure(self, shard: Shard, *, reader: bool = True) -> Path:
         """The local path of ``shard``, downloaded (once per node) if it is not here.
+
+        ``reader=False`` (downloads ahead) leaves the readers' hits, misses and waits alone.
 
         Raises:
             PackError: naming the shard, when its bytes twice did not match the manifest.
             CacheFullError: when no room could be made for it.
         """
+        if self._pid != os.getpid():
+            self._local_state()  # a forked child: the parent's counters and thread are not ours
         path = self.path(shard)
         if self._present(path, shard):
-            self.stats.hits += 1
+            self.stats.hits += reader
             self.touch(shard)
+            self._publish(force=False)
             return path
-        self.stats.misses += 1
+        self.stats.misses += reader
         started = time.perf_counter()
         try:
             with _locked(self.folder / ".locks" / f"{shard.name}.lock"):
@@ -212,8 +223,33 @@ class ShardCache:
                     self._download(shard, path)
                 self.touch(shard)
         finally:
-            self.stats.wait_seconds += time.perf_counter() - started
+            self.stats.wait_seconds += (time.perf_counter() - started) * reader
+            self._publish(force=True)
         return path
+
+    def _publish(self, force: bool) -> None:
+        """Write this process's counters to ``.stats/HOST-PID.json`` (at most once a second
+        unless ``force``), where ``node_stats`` adds them up."""
+        now = time.monotonic()
+        if not force and now - self._published < 1.0:
+            return
+        self._published = now
+        folder = self.folder / ".stats"
+        with contextlib.suppress(OSError):
+            folder.mkdir(exist_ok=True)
+            target = folder / f"{socket.gethostname()}-{os.getpid()}.json"
+            temp = folder / f".{target.name}.partial"
+            temp.write_text(json.dumps(asdict(self.stats)))
+            os.replace(temp, target)
+
+    def node_stats(self) -> CacheStats:
+        """The counters of every process that used this cache folder, added up (cumulative)."""
+        total = CacheStats()
+        for path in (self.folder / ".stats").glob("*.json"):
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                for name, value in json.loads(path.read_text()).items():
+                    setattr(total, name, getattr(total, name) + value)
+        return total
 
     def _present(self, path: Path, shard: Shard) -> bool:
         try:
@@ -340,7 +376,7 @@ class ShardCache:
                 self._wake.clear()
                 continue
             try:
-                self.ensure(self.shards[int(order[k])])
+                self.ensure(self.shards[int(order[k])], reader=False)
             except Exception as error:  # noqa: BLE001 - the reader meets it and raises
                 self.plan_error = error
                 return
