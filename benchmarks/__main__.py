@@ -54,6 +54,7 @@ EXPECTED_SECONDS = {
         "cli_startup": 15,
         "mix": 20,
         "transport": 20,
+        "remote": 30,
     },
     "quick": {"pipeline": 45, "loader": 35, "cheap": 120, "transport": 20, "threads": 85},
     "full": {
@@ -65,6 +66,7 @@ EXPECTED_SECONDS = {
         "cli_startup": 120,
         "mix": 150,
         "transport": 400,
+        "remote": 300,
     },
 }
 

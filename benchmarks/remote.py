@@ -201,15 +201,19 @@ def run(size: str, workdir: Path) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     rows, skipped = speed_rows(samples, rounds, workdir)
     quality = shuffle_rows()
+    default = next(r for r in quality if "(default)" in r["order"])
+    packed = next(r for r in quality if "shuffle_seed" in r["order"])
     result = {
         "comparison": "remote",
         "config": {"samples": samples, "rounds": rounds, "batch_size": 64, "workers": 2},
-        "rows": rows,
-        "shuffle_rows": quality,
+        "rows": rows or quality,  # without the server: the shuffle table leads
+        "shuffle_rows": quality if rows else [],
         "cluster_rows": cluster_rows(shards),
         "ratios": {
             **{f"{r['source']} first epoch vs local": r["vs_local_first"] for r in rows},
             **{f"{r['source']} second epoch vs local": r["vs_local_second"] for r in rows},
+            "default shard order shuffle quality vs global": default["vs_global_quality"],
+            "shuffle_seed-packed shard order quality vs global": packed["vs_global_quality"],
         },
         "notes": [
             "shuffle: 100 000 samples packed in class order (100 classes), shards of 250, global "
