@@ -263,3 +263,53 @@ def test_a_server_stopped_mid_epoch_and_started_again_completes_the_epoch(
     finally:
         _seaweed.stop(server)
     assert first + rest == list(range(120))
+
+
+class Local:
+    """A local source with the remote one's fields."""
+
+    def __len__(self) -> int:
+        return 90
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": np.full((6, 6), -i, np.int32), "y": 1000 + i}
+
+
+def _mix_loaders(url, cache, world, batch, workers=0):
+    from fastloader import Mix
+    from fastloader.sampling.mix_samplers import ElasticMixSampler
+
+    mix = Mix(
+        {"remote": ShardedDataset(url, cache_dir=cache), "local": Local()},
+        {"remote": 0.7, "local": 0.3},
+        samples_per_epoch=200,
+    )
+    return [
+        DataLoader(
+            mix,
+            batch_size=batch,
+            num_workers=workers,
+            sampler=ElasticMixSampler(mix, batch, world, rank),
+            seed=SEED,
+        )
+        for rank in range(world)
+    ]
+
+
+def _mixed(batch) -> list[tuple[str, int]]:
+    return list(zip(batch.source, batch.index.tolist(), strict=True))
+
+
+def test_a_mix_of_a_remote_and_a_local_source_resumes_exactly_on_another_world(url, tmp_path):
+    whole = [r for b in _mix_loaders(url, tmp_path / "w", 1, 10)[0] for r in _mixed(b)]
+    first = _mix_loaders(url, tmp_path / "a", 4, 5)
+    iterators = [iter(loader) for loader in first]
+    seen = [r for _ in range(3) for it in iterators for r in _mixed(next(it))]
+    state = first[0].state_dict()
+    assert state["position"] == 60
+    for loader in _mix_loaders(url, tmp_path / "b", 3, 4, workers=2):
+        loader.load_state_dict(state)
+        seen += [r for batch in loader for r in _mixed(batch)]
+        loader.close()
+    assert sorted(seen) == sorted(whole) and len(whole) == 200
+    assert {source for source, _ in whole} == {"remote", "local"}
