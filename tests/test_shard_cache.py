@@ -162,3 +162,22 @@ def test_the_cache_pickles_without_its_thread_or_locks(source, tmp_path):
     copy = pickle.loads(pickle.dumps(cache))
     assert copy._thread is None and copy.folder == cache.folder
     cache.stop()
+
+
+def test_a_full_disk_while_downloading_names_the_cache_and_leaves_no_partial(source, tmp_path):
+    import errno
+
+    from fastloader.shards.cache import CacheFullError
+
+    class FullDisk(RemoteLike):
+        def download(self, name, dest):
+            dest.write_bytes(b"half")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    manifest = read_manifest(LocalStore(source))
+    cache = ShardCache(FullDisk(source), manifest, tmp_path / "c", 1 << 30, 1)
+    with pytest.raises(CacheFullError, match=r"disk is full while downloading .*shard-00001"):
+        cache.ensure(manifest.shards[1])
+    assert (
+        not list(cache.folder.glob(".shard-00001*")) and not cache.path(manifest.shards[1]).exists()
+    )
