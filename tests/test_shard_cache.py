@@ -181,3 +181,32 @@ def test_a_full_disk_while_downloading_names_the_cache_and_leaves_no_partial(sou
     assert (
         not list(cache.folder.glob(".shard-00001*")) and not cache.path(manifest.shards[1]).exists()
     )
+
+
+def _child_takes_the_lock(path, released, result):
+    import fcntl
+
+    from fastloader.shards.cache import _locked
+
+    released.wait(30)
+    with _locked(path, fcntl.LOCK_EX | fcntl.LOCK_NB) as taken:
+        result.put(taken)
+
+
+def test_a_child_forked_while_its_parent_holds_a_lock_does_not_keep_it(tmp_path):
+    """NOTE [ Lock files across a fork ]: the parent's lock ends when the parent releases it,
+    whatever children it forked meanwhile."""
+    import multiprocessing
+
+    from fastloader.shards.cache import _locked
+
+    context = multiprocessing.get_context("fork")
+    released, result = context.Event(), context.Queue()
+    lock = tmp_path / "x.lock"
+    with _locked(lock) as taken:
+        assert taken
+        child = context.Process(target=_child_takes_the_lock, args=(lock, released, result))
+        child.start()
+    released.set()  # the parent's lock is gone: the child must get it
+    assert result.get(timeout=30) is True
+    child.join(30)

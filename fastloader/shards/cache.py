@@ -12,7 +12,7 @@ One folder per sharded pack, ``CACHE_DIR/<hash of the URL>/``, marked as ours by
   belong to the open file, so the kernel drops them when their process dies (SIGKILL
   included): a dead downloader never leaves a lock that blocks anyone, and the next one
   deletes its partial file (holding the lock, it knows no one else writes it). A forked child
-  closes the lock files it inherited (``os.register_at_fork``): only their owner holds them.
+  closes the lock files it inherited: NOTE [ Lock files across a fork ].
 * A hard limit. Before a download, under ``.cache.lock``, the bytes of the shards present plus
   those being downloaded (their manifest sizes) must leave room; else the least recently read
   shards are evicted, each only if its lock can be taken (no one downloads it). Reads set a
@@ -62,14 +62,28 @@ _HELD: set[int] = set()  # lock fds this process holds (closed in a forked child
 _WAIT_FOR_ROOM = 120.0  # seconds a download waits for shards being downloaded to finish
 
 
+# NOTE [ Lock files across a fork ]
+# A flock belongs to the open file, which a forked child shares: a child that kept an inherited
+# lock fd would keep its parent's lock alive after the parent released it, and wait on itself
+# when it asks for that shard (seen: a loader worker forked while the download-ahead thread
+# opened a lock file). So every lock fd is registered in _HELD in the same step as it is opened,
+# and unregistered in the same step as it is closed, both under _GUARD, which a fork also takes
+# (os.register_at_fork): a child is never forked between the two, and closes every fd in _HELD.
+# Closing a duplicate does not release the parent's lock (no LOCK_UN).
+_GUARD = threading.Lock()
+
+
 def _close_inherited_locks() -> None:
     for fd in list(_HELD):
         with contextlib.suppress(OSError):
-            os.close(fd)  # closing a duplicate keeps the parent's lock (no LOCK_UN)
+            os.close(fd)
     _HELD.clear()
+    _GUARD.release()
 
 
-os.register_at_fork(after_in_child=_close_inherited_locks)
+os.register_at_fork(
+    before=_GUARD.acquire, after_in_parent=_GUARD.release, after_in_child=_close_inherited_locks
+)
 
 
 class CacheFullError(OSError):
@@ -113,8 +127,9 @@ def cache_minimum(biggest: int, shards: int, lanes: int, window: int, ahead: int
 @contextlib.contextmanager
 def _locked(path: Path, flags: int = fcntl.LOCK_EX) -> Iterator[bool]:
     """Hold ``flock(flags)`` on ``path``; yields False when ``LOCK_NB`` could not take it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    _HELD.add(fd)
+    with _GUARD:  # NOTE [ Lock files across a fork ]
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        _HELD.add(fd)
     try:
         try:
             fcntl.flock(fd, flags)
@@ -123,8 +138,9 @@ def _locked(path: Path, flags: int = fcntl.LOCK_EX) -> Iterator[bool]:
             return
         yield True
     finally:
-        _HELD.discard(fd)
-        os.close(fd)  # drops the lock
+        with _GUARD:
+            _HELD.discard(fd)
+            os.close(fd)  # drops the lock
 
 
 class ShardCache:
