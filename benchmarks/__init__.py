@@ -26,6 +26,9 @@ rows, ratios and notes (see ``report.py`` for the shape):
   hand-written h5py Dataset (and, with mosaicml-streaming, a pack of fields vs MDS).
 - ``transport``: batches from workers to the main process (pose HDF5 fields, token windows,
   an index, decoded images) with 0, 1 and 2 workers, and the main process's CPU per batch.
+- ``remote``: sharded packs: the shard-aware order's shuffle vs a global one, downloads per
+  node of a simulated 64-node cluster, and epochs from S3 (SeaweedFS on loopback), cold and
+  warm, vs one local pack.
 
 The data is made at run time from the photos scikit-image ships (``_photos.py``).
 """
@@ -49,6 +52,7 @@ COMPARISONS = {
     "mix": False,
     "transport": True,
     "threads": False,
+    "remote": False,
 }
 DEMO = tuple(name for name, in_demo in COMPARISONS.items() if in_demo)
 SIZES = ("tiny", "quick", "full")

@@ -55,6 +55,7 @@ EXPECTED_SECONDS = {
         "cli_startup": 15,
         "mix": 20,
         "transport": 20,
+        "remote": 30,
     },
     "quick": {"pipeline": 18, "loader": 18, "cheap": 120, "transport": 17, "threads": 100},
     "full": {
@@ -66,6 +67,7 @@ EXPECTED_SECONDS = {
         "cli_startup": 120,
         "mix": 150,
         "transport": 400,
+        "remote": 300,
     },
 }
 

@@ -32,6 +32,8 @@ _EXPORTS = {
     "Normalize": "fastloader.device",
     "PackSummary": "fastloader.packing",
     "PackError": "fastloader.formats",
+    "ShardedDataset": "fastloader.datasets.sharded",
+    "ShardOrderSampler": "fastloader.sampling.shard_order",
     "move_to_device": "fastloader.device",
     "open_pack": "fastloader.datasets.packs",
     "pack": "fastloader.packing",
@@ -58,6 +60,8 @@ __all__ = [
     "PackSummary",
     "PackError",
     "PoisonSampleError",
+    "ShardedDataset",
+    "ShardOrderSampler",
     "move_to_device",
     "open_pack",
     "pack",
@@ -75,6 +79,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from fastloader.datasets import collate
     from fastloader.datasets.packs import HDF5Dataset, LMDBDataset, open_pack
+    from fastloader.datasets.sharded import ShardedDataset
     from fastloader.datasets.users_files import HDF5FileDataset, LMDBFileDataset
     from fastloader.device import (
         DevicePrefetcher,
@@ -89,6 +94,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from fastloader.loader.supervision import PoisonSampleError, WorkersLostError
     from fastloader.packing import PackSummary, pack
     from fastloader.sampling.mix import Mix, MixSample
+    from fastloader.sampling.shard_order import ShardOrderSampler
     from fastloader.stats.timing import EpochStats, LoaderStats, timed_iter
     from fastloader.vision.folder import ImageFolder
 

@@ -178,6 +178,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         help="write the samples in an order shuffled by seed N (for BlockShuffleSampler on slow "
         "storage) instead of ImageFolder's",
     )
+    parser.add_argument(
+        "--shard-size",
+        metavar="SIZE",
+        help="write a sharded pack: DST is a folder or s3://bucket/prefix of packs of about "
+        "SIZE each (64MB, 1GiB) plus a manifest written last (docs/remote.md)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     parser.add_argument(
         "--strict", action="store_true", help="fail on the first unreadable image (else skip it)"
@@ -256,7 +262,7 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
 
     from fastloader.formats import PackError
 
-    return (PackError, ValueError, OSError, lmdb.Error)
+    return (PackError, ValueError, OSError, lmdb.Error, ImportError)  # ImportError: an extra
 
 
 def _run_pack(args: argparse.Namespace, prog: str) -> int:
@@ -265,11 +271,7 @@ def _run_pack(args: argparse.Namespace, prog: str) -> int:
 
     with signals_as_interrupts():  # see NOTE [ Signals while packing ]
         try:
-            extra = {} if args.check is None else {"check": args.check}
-            if args.image_timeout is not None:
-                extra["image_timeout"] = args.image_timeout
-            if args.shuffle_seed is not None:
-                extra["shuffle_seed"] = args.shuffle_seed
+            extra = _given_options(args)
             source, schema = _source(args)
             if schema is not None:
                 extra["schema"] = schema
@@ -314,6 +316,17 @@ def _run_pack(args: argparse.Namespace, prog: str) -> int:
     return 0
 
 
+def _given_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The options of ``pack()`` the user gave (the others keep ``pack()``'s defaults)."""
+    given = {
+        "check": args.check,
+        "image_timeout": args.image_timeout,
+        "shuffle_seed": args.shuffle_seed,
+        "shard_size": args.shard_size,
+    }
+    return {name: value for name, value in given.items() if value is not None}
+
+
 def _source(args: argparse.Namespace) -> tuple[Any, dict | None]:
     """What to pack: the folder, or a user's HDF5 file as a dataset of dict samples, with the
     schema naming its image fields (docs/any-sample.md). Torch is not imported either way."""
@@ -339,9 +352,10 @@ def _source(args: argparse.Namespace) -> tuple[Any, dict | None]:
 
 def _run_info(path: str, prog: str) -> int:
     from fastloader.formats.info import describe
+    from fastloader.shards.inspect import describe_sharded, is_sharded
 
     try:
-        print(describe(path))
+        print((describe_sharded if is_sharded(path) else describe)(path))
     except BrokenPipeError:
         raise  # not the pack's error: NOTE [ A closed pipe ]
     except _expected_errors() as error:
@@ -353,8 +367,11 @@ def _run_info(path: str, prog: str) -> int:
 def _run_verify(path: str, quiet: bool, prog: str) -> int:
     """Run ``fastloader.formats.verify.run_cli``: 0 clean, 1 bad records, 2 unreadable."""
     from fastloader.formats.verify import run_cli
+    from fastloader.shards.inspect import is_sharded, run_verify
 
     try:
+        if is_sharded(path):
+            return run_verify(path, quiet, prog)
         return run_cli(path, quiet=quiet, prog=prog)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

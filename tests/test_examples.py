@@ -270,3 +270,35 @@ def test_train_mix_resumed_on_three_ranks_reads_what_two_ranks_would(tmp_path: P
     assert "resumed at step 6, epoch 0, sample 96 of the epoch" in out
     stitched = _mixed_order(tmp_path / "cut", 3)
     assert stitched == _mixed_order(tmp_path / "clean", 2)  # the same samples, same order
+
+
+@pytest.mark.slow
+def test_train_remote_stopped_on_two_ranks_resumes_on_three_reading_each_sample_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "train_remote.py" against a real S3 server: pack, 2 ranks stop after 3 steps, 3 resume."""
+    import boto3
+
+    from tests import _seaweed
+
+    server = _seaweed.start(tmp_path / "seaweed")
+    try:
+        for name, value in server.env().items():
+            monkeypatch.setenv(name, value)
+        boto3.client("s3").create_bucket(Bucket="examples")
+        script = [str(EXAMPLES / "train_remote.py"), "--url", "s3://examples/train"]
+        script += ["--cache", str(tmp_path / "cache"), "--checkpoint", str(tmp_path / "r.pt")]
+        script += ["--log-samples", str(tmp_path / "log")]
+        out = _run(_torchrun(2) + script + ["--pack", "--stop-after", "3"], tmp_path, 300)
+        assert "stopped after step 3" in out
+        out = _run(_torchrun(3) + script + ["--resume", "--batch-size", "5"], tmp_path, 300)
+        assert "resumed at step 3, sample 48" in out and "epoch 0: loss" in out
+    finally:
+        _seaweed.stop(server)
+    labels = [
+        label
+        for rank in range(3)
+        for line in Path(f"{tmp_path / 'log'}.rank{rank}").read_text().splitlines()
+        for label in json.loads(line)[1]
+    ]
+    assert sorted(labels) == list(range(240))  # 48 read by 2 ranks, 192 by 3: each once

@@ -22,7 +22,7 @@ REPO = PACKAGE.parent
 # is a subpackage or a top-level module. Peers in one layer do not import each other.
 LAYERS = [
     {"formats", "parent_death"},
-    {"device"},
+    {"device", "shards"},
     {"vision"},
     {"datasets", "packing", "sampling"},
     {"stats"},

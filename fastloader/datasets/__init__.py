@@ -2,7 +2,9 @@
 
 ``packs.py`` (LMDBDataset, HDF5Dataset, open_pack), ``field_samples.py`` (a pack of any sample:
 records back to dicts), ``users_files.py`` (HDF5FileDataset, LMDBFileDataset: users' files read
-in place), ``collate.py`` (ragged fields as lists or padded).
+in place), ``collate.py`` (ragged fields as lists or padded), ``sharded.py``
+(``ShardedDataset``: a sharded pack, local or remote, as one dataset).
 
-May import: ``vision``, ``device``, ``formats``; never ``loader``, ``packing`` or ``sampling``.
+May import: ``vision``, ``device``, ``formats``, ``shards``; never ``loader``, ``packing`` or
+``sampling``.
 """

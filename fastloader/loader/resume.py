@@ -141,8 +141,8 @@ def _sampler_fields(loader: Any, sampler: Any) -> dict[str, Any]:
             step=sampler.global_batch if elastic else (loader.batch_size or 1),
         )
     if isinstance(sampler, ElasticDistributedSampler):
-        return dict(
-            sampler="shuffle" if sampler.shuffle else "sequential",
+        return dict(  # a shard-aware order names its shape (sampling/shard_order.py)
+            sampler=getattr(sampler, "order_name", "shuffle" if sampler.shuffle else "sequential"),
             shuffle=sampler.shuffle,
             replacement=False,
             epoch_length=sampler.dataset_length,
@@ -353,7 +353,9 @@ def _check_same_order(state: dict[str, Any], here: dict[str, Any]) -> None:
             f"loader: {here['unit']}; sampler kind: {saved.get('sampler')!r} vs "
             f"{here['sampler']!r})"
         )
-    elastic = here["sampler"] in ("shuffle", "sequential", "mix")
+    elastic = here["sampler"] in ("shuffle", "sequential", "mix") or str(
+        here["sampler"]
+    ).startswith("shards ")  # the shard-aware order: global too (sampling/shard_order.py)
     for field in _ORDER_FIELDS:
         if field == "world_size" and elastic:
             continue  # the global order does not depend on the world size

@@ -5,10 +5,11 @@
 (``check_options``: the one check of the options, for ``pack()`` and the CLI), ``summary.py``,
 ``worker.py`` (the encode stage, in worker processes), ``pool.py`` (the worker pool: in order,
 supervised), ``process.py`` (processes, signals, partial files), ``fields.py`` (samples of many
-fields), ``output.py`` (the atomic rename, a full disk).
+fields), ``output.py`` (the atomic rename, a full disk), ``sharded.py`` (``shard_size=``:
+many packs and a manifest, NOTE [ Packing shards ]).
 
-May import: ``vision``, ``formats``, ``parent_death``; never ``loader``, ``datasets`` or torch
-at module level (the packer's workers must start fast).
+May import: ``vision``, ``formats``, ``shards``, ``parent_death``; never ``loader``,
+``datasets`` or torch at module level (the packer's workers must start fast).
 """
 
 from fastloader.packing.options import check_options

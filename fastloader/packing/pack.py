@@ -40,6 +40,7 @@ from fastloader.packing.worker import (
     Encoded,
     Options,
 )
+from fastloader.shards.stores import is_url
 from fastloader.vision.images import CHECKS, IMG_EXTENSIONS
 
 __all__ = ["IMG_EXTENSIONS", "BadImageError", "PackSummary", "pack", "scan_image_folder"]
@@ -110,6 +111,7 @@ def pack(
     schema: dict | None = None,
     shuffle_seed: int | None = None,
     layout: str = "columns",
+    shard_size: int | str | None = None,
 ) -> PackSummary:
     """Pack an image folder or a map-style dataset into one LMDB or HDF5 file.
 
@@ -171,6 +173,10 @@ def pack(
             checksums per block of rows: NOTE [ Packs laid out by columns ]) or ``"records"``
             (format 4, one record per sample: what fastloader before format 5 reads). Packs
             of (image, label) are always records.
+        shard_size: write a sharded pack instead: a folder (or an ``s3://bucket/prefix``
+            URL) ``path`` of packs of about this many bytes each (``"64MB"``) plus a
+            manifest written last (docs/remote.md; NOTE [ Packing shards ] in
+            packing/sharded.py). Returns a ``ShardedSummary`` then.
 
     Returns:
         a :class:`PackSummary` of what was written and skipped.
@@ -190,6 +196,27 @@ def pack(
         SampleSchemaError: (a ValueError) for a sample of fields that does not fit the schema,
             naming its index and the field.
     """
+    if shard_size is not None or is_url(path):  # NOTE [ Packing shards ]
+        from fastloader.packing.sharded import pack_shards
+
+        if shard_size is None:
+            raise ValueError(f"{path}: a URL holds a sharded pack: give shard_size (e.g. '64MB')")
+        options = dict(store=store, quality=quality, max_side=max_side, short_side=short_side)
+        options.update(workers=workers, strict=strict, check=check, image_timeout=image_timeout)
+        options.update(layout=layout)
+        return pack_shards(  # type: ignore[return-value]
+            pack,
+            source,
+            path,
+            shard_size,
+            format=format,
+            overwrite=overwrite,
+            progress=progress,
+            shuffle_seed=shuffle_seed,
+            classes=classes,
+            schema=schema,
+            **options,
+        )
     started = time.perf_counter()
     check_options(store, quality, max_side, short_side, format, workers, image_timeout)
     target = Path(os.path.expanduser(os.fspath(path)))

@@ -8,7 +8,8 @@ weighted mixing of named sources: ``mix.py`` (``Mix``, the dataset, and NOTE [ W
 changes ]), ``mix_order.py`` (NOTE [ The mixed order as a pure function ]), ``interleave.py``
 (NOTE [ The interleave ]), ``permutation.py`` (NOTE [ Permutations on the fly ]),
 ``mix_samplers.py`` (the mix cut into epochs and across ranks) and ``mix_state.py`` (NOTE
-[ Resuming a mix whose sources changed ]).
+[ Resuming a mix whose sources changed ]); ``shard_order.py`` (NOTE [ The shard-aware order ]:
+the order of a sharded pack, each rank on its own shards).
 
 May import: torch, NumPy, and nothing of fastloader outside ``sampling/``.
 """

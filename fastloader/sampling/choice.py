@@ -13,11 +13,14 @@ constructor. The rules, in order:
    is the mixed one, NOTE [ The mixed order as a pure function ] in mix_order.py); ``shuffle``
    goes to it (for a ``Mix`` it only picks the padding rule with ``distributed=True``) and not
    to torch.
-3. ``distributed=True``: ``ElasticDistributedSampler``, one global order cut across ranks
+3. ``shuffle=True`` over a dataset of shards (``ShardedDataset``: it has ``shard_counts``):
+   ``ShardOrderSampler``, the shard-aware order (NOTE [ The shard-aware order ] in
+   shard_order.py), with or without ``distributed=True``.
+4. ``distributed=True``: ``ElasticDistributedSampler``, one global order cut across ranks
    (NOTE [ Global order ] in distributed.py).
-4. ``shuffle=True`` over a map-style dataset: ``EpochShuffleSampler``, each epoch's order drawn
+5. ``shuffle=True`` over a map-style dataset: ``EpochShuffleSampler``, each epoch's order drawn
    from ``(seed, epoch)``.
-5. Anything else is torch's choice (``SequentialSampler``, or what torch does with an iterable
+6. Anything else is torch's choice (``SequentialSampler``, or what torch does with an iterable
    dataset).
 
 A new kind of dataset with an order of its own implements ``OwnOrder``; nothing here or in the
@@ -33,6 +36,7 @@ from torch.utils.data import DistributedSampler, IterableDataset, Sampler
 
 from fastloader.sampling.distributed import ElasticDistributedSampler
 from fastloader.sampling.samplers import EpochShuffleSampler
+from fastloader.sampling.shard_order import ShardOrderSampler
 
 __all__ = ["OwnOrder", "choose_sampler"]
 
@@ -83,6 +87,12 @@ def choose_sampler(
             seed=seed,
         )
         shuffle = None
+    if sampler is None and batch_sampler is None and shuffle and _sharded(dataset):
+        world = {} if distributed else {"num_replicas": 1, "rank": 0}
+        sampler = ShardOrderSampler(
+            dataset, batch_size or 1, seed=seed, drop_last=drop_last, **world
+        )
+        shuffle = None
     if distributed:
         sampler = _distributed_sampler(
             dataset, shuffle, sampler, batch_sampler, seed, drop_last, batch_size
@@ -92,6 +102,11 @@ def choose_sampler(
     if shuffle and map_style and sampler is None and batch_sampler is None:
         return EpochShuffleSampler(dataset, seed), None
     return sampler, shuffle
+
+
+def _sharded(dataset: Any) -> bool:
+    """A dataset of shards (``ShardedDataset``: it tells its shards' sample counts)."""
+    return getattr(dataset, "shard_counts", None) is not None
 
 
 def _distributed_sampler(

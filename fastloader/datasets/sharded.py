@@ -1,0 +1,220 @@
+"""``ShardedDataset``: one map-style dataset over the shards of a sharded pack, local or remote.
+
+NOTE [ Reading a sharded pack ]
+Index ``i`` is sample ``i - start[s]`` of shard ``s`` (shards numbered in manifest order), so a
+sharded pack reads as one pack: per-sample seeding by global index, ``Mix``, resume. A folder
+(a local disk or a shared file system) is read in place: no copies. A URL's shards come through
+the node-local cache (NOTE [ The shard cache ] in shards/cache.py): a process asks the cache for
+a shard when it first reads it, and the main process downloads ahead of the order
+(``plan_reads``, called by ``ShardOrderSampler``). Each process keeps at most ``open_shards``
+shards open (least recently read closed first), and closes a shard the cache evicted as soon as
+it notices (its next batch), so evicted bytes are freed. Nothing per-process is pickled: the
+dataset holds the manifest and options only, and every process opens its own shards and its
+own client (NOTE [ One client per process ] in shards/s3.py).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from fastloader.datasets.packs import open_pack
+from fastloader.formats.records import PackError
+from fastloader.shards.cache import ShardCache, cache_minimum
+from fastloader.shards.manifest import Manifest
+from fastloader.shards.sizes import parse_size
+from fastloader.shards.stores import is_url, open_store, read_manifest
+
+__all__ = ["ShardedDataset"]
+
+_DEFAULT_LANES, _DEFAULT_WINDOW = 8, 4  # what ShardOrderSampler takes by default
+
+
+class ShardedDataset(Dataset):
+    """A sharded pack (``fastloader-pack SRC DST --shard-size 64MB``) as one map-style dataset.
+
+    Args:
+        path_or_url: a folder of shards (read in place) or ``s3://bucket/prefix``.
+        cache_dir: for a URL: the node-local folder shards are downloaded to (default
+            ``$FASTLOADER_CACHE`` or ``~/.cache/fastloader/shards``).
+        cache_limit: for a URL: the most bytes the cache may hold (``"50GB"``); default the
+            minimum the order needs times 4. A limit below the minimum is refused.
+        lanes, window: the shape of the shard-aware order (``ShardOrderSampler``; NOTE [ The
+            shard-aware order ]): they set the working set, and so the minimum cache.
+        ahead: shards downloaded ahead of the order, per rank.
+        open_shards: shards kept open per process (default ``lanes * window + 1``).
+        endpoint_url: the S3 endpoint (default ``$AWS_ENDPOINT_URL``, else AWS).
+        **pack_options: for every shard's pack: ``transform``, ``decode``, ...
+
+    Raises:
+        FileNotFoundError: without a manifest (not a sharded pack, or an unfinished one).
+        ManifestError: for a manifest that cannot be trusted, naming the field.
+        ValueError: for a ``cache_limit`` below the order's working set, naming the minimum.
+        ImportError: for a URL without the ``remote`` extra.
+    """
+
+    def __init__(
+        self,
+        path_or_url: str | os.PathLike,
+        *,
+        cache_dir: str | os.PathLike | None = None,
+        cache_limit: int | str | None = None,
+        lanes: int = _DEFAULT_LANES,
+        window: int = _DEFAULT_WINDOW,
+        ahead: int = 2,
+        open_shards: int | None = None,
+        endpoint_url: str | None = None,
+        **pack_options: Any,
+    ) -> None:
+        options = {} if endpoint_url is None else {"endpoint_url": endpoint_url}
+        self.store = open_store(path_or_url, **options)
+        self.url = self.store.url
+        self.manifest: Manifest = read_manifest(self.store)
+        self.lanes, self.window, self.ahead = lanes, window, ahead
+        self.shard_counts = np.array([s.count for s in self.manifest.shards], dtype=np.int64)
+        self._starts = np.concatenate([[0], np.cumsum(self.shard_counts)])
+        self.classes = list(self.manifest.classes)
+        self.pack_options = pack_options
+        self.open_shards = open_shards or lanes * window + 1
+        self.cache: ShardCache | None = None
+        if is_url(path_or_url) and self.store.local_path(self.manifest.shards[0].name) is None:
+            biggest = max(s.bytes for s in self.manifest.shards)
+            minimum = cache_minimum(biggest, len(self.manifest.shards), lanes, window, ahead)
+            limit = 4 * minimum if cache_limit is None else parse_size(cache_limit, "cache_limit")
+            self.cache = ShardCache(self.store, self.manifest, cache_dir, limit, minimum)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._open: OrderedDict[int, Any] = OrderedDict()
+        self._pid = os.getpid()
+        self._reads = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_open=OrderedDict(), _pid=None)  # opened again where it is read
+        return state
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def shard_of(self, index: int) -> int:
+        """The shard (manifest order) that holds sample ``index``."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"{self.url}: index {index} out of range ({len(self)} samples)")
+        return int(np.searchsorted(self._starts, index, side="right")) - 1
+
+    def _shard(self, number: int) -> Any:
+        """Shard ``number`` open in this process (NOTE [ Reading a sharded pack ])."""
+        if self._pid != os.getpid():
+            self._reset()  # a forked child: the parent's handles are not ours
+        pack = self._open.get(number)
+        if pack is not None:
+            self._open.move_to_end(number)
+            return pack
+        while len(self._open) >= self.open_shards:
+            self._open.popitem(last=False)[1].close()
+        for attempt in range(3):
+            path = self._path(number)
+            try:
+                pack = open_pack(path, **self.pack_options)
+                pack.shard_inode = os.stat(path).st_ino  # see _forget_evicted
+                break
+            except FileNotFoundError:  # evicted between its download and this open: again
+                if self.cache is None or attempt == 2:
+                    raise
+        self._open[number] = pack
+        return pack
+
+    def _path(self, number: int) -> Path:
+        shard = self.manifest.shards[number]
+        if self.cache is not None:
+            return self.cache.ensure(shard)
+        path = self.store.local_path(shard.name)
+        assert path is not None
+        size = path.stat().st_size
+        if size != shard.bytes:
+            raise PackError(f"{path}: {size} bytes, the manifest says {shard.bytes}")
+        return path
+
+    def _forget_evicted(self) -> None:
+        """Close shards the cache evicted (their bytes are freed once no one has them open)."""
+        if self.cache is None:
+            return
+        cache = self.cache
+        gone = [n for n, p in self._open.items() if not cache.holds(p.path, p.shard_inode)]
+        for number in gone:
+            self._open.pop(number).close()
+
+    def __getitem__(self, index: int) -> Any:
+        return self.getitems_with([index], None)[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        return self.getitems_with(indices, None)
+
+    def getitems_with(
+        self, indices: Sequence[int], before_each: Callable[[int], None] | None
+    ) -> list[Any]:
+        """The samples at ``indices``, each shard's read in one call; ``before_each(index)``
+        runs before each sample loads (the loader seeds it there, by its global index)."""
+        self._reads += 1
+        if self._reads % 16 == 0:
+            self._forget_evicted()
+        wanted = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if len(wanted) and (wanted.min() < 0 or wanted.max() >= len(self)):
+            bad = wanted[(wanted < 0) | (wanted >= len(self))][0]
+            raise IndexError(f"{self.url}: index {bad} out of range ({len(self)} samples)")
+        shards = np.searchsorted(self._starts, wanted, side="right") - 1
+        by_shard = np.argsort(shards, kind="stable")
+        groups = np.split(by_shard, np.flatnonzero(np.diff(shards[by_shard])) + 1)
+        out: list[Any] = [None] * len(wanted)
+        for slots in groups if len(wanted) else []:
+            number = int(shards[slots[0]])
+            if self.cache is not None:
+                self.cache.touch(self.manifest.shards[number])
+            hook = None
+            if before_each is not None:
+                pending = iter(wanted[slots].tolist())
+                hook = lambda _, g=pending: before_each(next(g))  # noqa: E731 - its global index
+            local = (wanted[slots] - self._starts[number]).tolist()
+            samples = self._shard(number).getitems_with(local, hook)
+            for k, sample in zip(slots.tolist(), samples, strict=True):
+                out[k] = sample
+        return out
+
+    def plan_reads(self, indices: np.ndarray) -> None:
+        """The indices this rank reads next, in order: shards are downloaded ahead of them."""
+        if self.cache is not None and len(indices):
+            shards = np.searchsorted(self._starts, indices, side="right") - 1
+            self.cache.plan(shards, self.ahead)
+
+    def reading_at(self, position: int) -> None:
+        """How far this rank's order has been handed out (download-ahead follows it)."""
+        if self.cache is not None:
+            self.cache.reading_at(position)
+
+    def cache_stats(self) -> Any:
+        """The cache's counters over every process of this node that used it (``CacheStats``:
+        hits, misses, hit_rate, wait_seconds, downloads, bytes_downloaded, evictions), or None
+        for a folder read in place."""
+        return None if self.cache is None else self.cache.node_stats()
+
+    def close(self) -> None:
+        """Close every shard open in this process, and stop downloading ahead."""
+        for pack in self._open.values():
+            pack.close()
+        self._open.clear()
+        if self.cache is not None:
+            self.cache.stop()
+
+    def __repr__(self) -> str:
+        where = "" if self.cache is None else f", cache={str(self.cache.folder)!r}"
+        return (
+            f"ShardedDataset({self.url!r}, {len(self)} samples in "
+            f"{len(self.manifest.shards)} shards{where})"
+        )

@@ -1,0 +1,406 @@
+"""The node-local shard cache: whole shards downloaded once per node, verified, bounded in size.
+
+NOTE [ The shard cache ]
+One folder per sharded pack, ``CACHE_DIR/<hash of the URL>/``, marked as ours by a
+``.fastloader-cache`` file; every rank and worker of a node shares it.
+
+* One download per shard per node. A process that needs shard ``X`` takes an exclusive
+  ``flock`` on ``.locks/X.lock``; holding it, it finds ``X`` present (someone finished it) or
+  downloads it to ``.X.partial-PID@HOST``, checks its size and XXH3-64 checksum against the
+  manifest, and renames it to ``X``. A shard with the wrong bytes is fetched once more, then
+  refused naming the shard: it is never renamed into place, so never read. ``flock`` locks
+  belong to the open file, so the kernel drops them when their process dies (SIGKILL
+  included): a dead downloader never leaves a lock that blocks anyone, and the next one
+  deletes its partial file (holding the lock, it knows no one else writes it). A forked child
+  closes the lock files it inherited: NOTE [ Lock files across a fork ].
+* A hard limit. Before a download, under ``.cache.lock``, the bytes of the shards present plus
+  those being downloaded (their manifest sizes) must leave room; else the least recently read
+  shards are evicted, each only if its lock can be taken (no one downloads it). Reads set a
+  shard's access time (once a second per process; set explicitly, so ``noatime`` mounts do
+  not matter), so the shards the order reads now are the most recent. Never its mtime: a
+  pack reader takes a changed mtime for a changed file (formats/packfile.py). A process that
+  has an evicted shard open closes it within 16 batches (datasets/sharded.py), so its bytes
+  are freed. ``cache_limit`` below what the order needs at once
+  (``cache_minimum``) is refused at start, naming the minimum: a smaller cache would evict
+  shards still being read, and fetch them again and again.
+* It deletes only what it downloaded: shard names from the manifest (plain names, checked)
+  and its own partial files, inside the folder it marked.
+* Download ahead: the main process of each rank runs one thread that downloads the shards its
+  order reads next, at most ``ahead`` shards beyond the shard being read (``plan``).
+* Counters: each process writes its ``CacheStats`` (readers' hits and misses, seconds readers
+  waited, downloads and bytes, evictions) to ``.stats/HOST-PID.json``; ``node_stats`` adds up
+  every process's (workers included).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fastloader.formats.metadata import human_size
+from fastloader.formats.records import PackError
+from fastloader.shards.manifest import Manifest, Shard, file_checksum
+from fastloader.shards.stores import Store, temp_name
+
+__all__ = ["CacheFullError", "CacheStats", "ShardCache", "cache_minimum", "default_cache_dir"]
+
+MARKER = ".fastloader-cache"
+_HELD: set[int] = set()  # lock fds this process holds (closed in a forked child)
+_WAIT_FOR_ROOM = 120.0  # seconds a download waits for shards being downloaded to finish
+
+
+# NOTE [ Lock files across a fork ]
+# A flock belongs to the open file, which a forked child shares: a child that kept an inherited
+# lock fd would keep its parent's lock alive after the parent released it, and wait on itself
+# when it asks for that shard (seen: a loader worker forked while the download-ahead thread
+# opened a lock file). So every lock fd is registered in _HELD in the same step as it is opened,
+# and unregistered in the same step as it is closed, both under _GUARD, which a fork also takes
+# (os.register_at_fork): a child is never forked between the two, and closes every fd in _HELD.
+# Closing a duplicate does not release the parent's lock (no LOCK_UN).
+_GUARD = threading.Lock()
+
+
+def _close_inherited_locks() -> None:
+    for fd in list(_HELD):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+    _GUARD.release()
+
+
+os.register_at_fork(
+    before=_GUARD.acquire, after_in_parent=_GUARD.release, after_in_child=_close_inherited_locks
+)
+
+
+class CacheFullError(OSError):
+    """The cache has no room for a shard (its folder, what it holds and the limit named)."""
+
+
+@dataclass
+class CacheStats:
+    """What this process's cache did: downloads, bytes, waits, hits."""
+
+    downloads: int = 0
+    bytes_downloaded: int = 0
+    hits: int = 0
+    misses: int = 0
+    wait_seconds: float = 0.0
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        asked = self.hits + self.misses
+        return self.hits / asked if asked else 1.0
+
+
+def default_cache_dir() -> Path:
+    """``$FASTLOADER_CACHE``, else ``~/.cache/fastloader/shards``."""
+    return Path(os.environ.get("FASTLOADER_CACHE") or "~/.cache/fastloader/shards").expanduser()
+
+
+def cache_minimum(biggest: int, shards: int, lanes: int, window: int, ahead: int) -> int:
+    """Bytes the order needs at once on this node: ``window`` shards per lane the node reads
+    plus ``ahead`` per rank (NOTE [ The shard-aware order ] in sampling/shard_order.py). Under
+    torchrun (``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``) a node reads about ``lanes / nodes`` lanes,
+    plus one it shares with a neighbour; else all of them."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)) or world)
+    nodes = max(1, world // max(1, local))
+    node_lanes = lanes if nodes == 1 else min(lanes, -(-lanes // nodes) + 1)
+    return min(shards, node_lanes * window + ahead * local) * biggest
+
+
+@contextlib.contextmanager
+def _locked(path: Path, flags: int = fcntl.LOCK_EX) -> Iterator[bool]:
+    """Hold ``flock(flags)`` on ``path``; yields False when ``LOCK_NB`` could not take it."""
+    with _GUARD:  # NOTE [ Lock files across a fork ]
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        _HELD.add(fd)
+    try:
+        try:
+            fcntl.flock(fd, flags)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        with _GUARD:
+            _HELD.discard(fd)
+            os.close(fd)  # drops the lock
+
+
+class ShardCache:
+    """A node-local cache of one sharded pack's shards (NOTE [ The shard cache ]).
+
+    Picklable: a process that unpickles it has no lock and no thread of its parent's.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        manifest: Manifest,
+        cache_dir: str | os.PathLike | None,
+        limit: int,
+        minimum: int,
+    ) -> None:
+        if limit < minimum:
+            raise ValueError(
+                f"cache_limit {human_size(limit)} is below what the order needs at once on this "
+                f"node: at least {human_size(minimum)} ({minimum} bytes: lanes x window shards "
+                "plus the shards downloaded ahead); raise cache_limit or lower lanes/window"
+            )
+        self.store, self.limit = store, limit
+        self.shards = list(manifest.shards)
+        self.sizes = {shard.name: shard.bytes for shard in self.shards}
+        key = hashlib.sha256(store.url.encode()).hexdigest()[:16]
+        base = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+        self.folder = base / key
+        (self.folder / ".locks").mkdir(parents=True, exist_ok=True)
+        (self.folder / MARKER).write_text(store.url + "\n")
+        self._local_state()
+
+    def _local_state(self) -> None:
+        self.stats = CacheStats()
+        self._touched: dict[str, float] = {}
+        self._plan: tuple[np.ndarray, np.ndarray] | None = None
+        self._position = 0
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
+        self._stopped = False
+        self._pid = os.getpid()
+        self.plan_error: BaseException | None = None
+        self._published = -2.0
+
+    def __getstate__(self) -> dict[str, Any]:
+        keep = ("store", "limit", "shards", "sizes", "folder")
+        return {name: self.__dict__[name] for name in keep}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local_state()
+
+    # -- reading ------------------------------------------------------------------------
+
+    def path(self, shard: Shard) -> Path:
+        return self.folder / shard.name
+
+    def holds(self, path: Path, inode: int) -> bool:
+        """Whether ``path`` is still the file (``inode``) a reader opened."""
+        try:
+            return os.stat(path).st_ino == inode
+        except FileNotFoundError:
+            return False
+
+    def touch(self, shard: Shard) -> None:
+        """Mark ``shard`` as read now (for least-recently-used eviction)."""
+        now = time.monotonic()
+        if now - self._touched.get(shard.name, -2.0) >= 1.0:
+            self._touched[shard.name] = now
+            path = self.path(shard)
+            with contextlib.suppress(FileNotFoundError):  # atime only: NOTE [ The shard cache ]
+                os.utime(path, ns=(time.time_ns(), path.stat().st_mtime_ns))
+
+    def ensure(self, shard: Shard, *, reader: bool = True) -> Path:
+        """The local path of ``shard``, downloaded (once per node) if it is not here.
+
+        ``reader=False`` (downloads ahead) leaves the readers' hits, misses and waits alone.
+
+        Raises:
+            PackError: naming the shard, when its bytes twice did not match the manifest.
+            CacheFullError: when no room could be made for it.
+        """
+        if self._pid != os.getpid():
+            self._local_state()  # a forked child: the parent's counters and thread are not ours
+        path = self.path(shard)
+        if self._present(path, shard):
+            self.stats.hits += reader
+            self.touch(shard)
+            self._publish(force=False)
+            return path
+        self.stats.misses += reader
+        started = time.perf_counter()
+        try:
+            with _locked(self.folder / ".locks" / f"{shard.name}.lock"):
+                if not self._present(path, shard):
+                    self._download(shard, path)
+                self.touch(shard)
+        finally:
+            self.stats.wait_seconds += (time.perf_counter() - started) * reader
+            self._publish(force=True)
+        return path
+
+    def _publish(self, force: bool) -> None:
+        """Write this process's counters to ``.stats/HOST-PID.json`` (at most once a second
+        unless ``force``), where ``node_stats`` adds them up."""
+        now = time.monotonic()
+        if not force and now - self._published < 1.0:
+            return
+        self._published = now
+        folder = self.folder / ".stats"
+        with contextlib.suppress(OSError):
+            folder.mkdir(exist_ok=True)
+            target = folder / f"{socket.gethostname()}-{os.getpid()}.json"
+            temp = folder / f".{target.name}.partial"
+            temp.write_text(json.dumps(asdict(self.stats)))
+            os.replace(temp, target)
+
+    def node_stats(self) -> CacheStats:
+        """The counters of every process that used this cache folder, added up (cumulative)."""
+        total = CacheStats()
+        for path in (self.folder / ".stats").glob("*.json"):
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                for name, value in json.loads(path.read_text()).items():
+                    setattr(total, name, getattr(total, name) + value)
+        return total
+
+    def _present(self, path: Path, shard: Shard) -> bool:
+        try:
+            return path.stat().st_size == shard.bytes
+        except FileNotFoundError:
+            return False
+
+    def _download(self, shard: Shard, path: Path) -> None:
+        """Holding the shard's lock: fetch, check, rename (fetched once more on a bad check)."""
+        where = f"{self.store.url.rstrip('/')}/{shard.name}"
+        self._remove_partials(shard.name)
+        for _attempt in (1, 2):  # a bad checksum: fetched once more
+            self._reserve(shard)
+            temp = self.folder / temp_name(shard.name)
+            try:
+                self.store.download(shard.name, temp)
+                size = temp.stat().st_size
+                digest = file_checksum(temp) if size == shard.bytes else None
+                if digest == shard.xxh3_64:
+                    os.replace(temp, path)
+                    self.stats.downloads += 1
+                    self.stats.bytes_downloaded += size
+                    return
+            except OSError as error:
+                if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise CacheFullError(
+                        error.errno,
+                        f"{self.folder}: the disk is full while downloading {where} "
+                        f"({human_size(shard.bytes)}): free space or lower cache_limit",
+                    ) from None
+                raise
+            finally:
+                temp.unlink(missing_ok=True)
+        raise PackError(
+            f"{where}: its bytes do not match the manifest ({size} bytes, checksum {digest}; "
+            f"the manifest says {shard.bytes} bytes, {shard.xxh3_64}), twice: refused"
+        )
+
+    # -- room ---------------------------------------------------------------------------
+
+    def _remove_partials(self, name: str) -> None:
+        """Partial files of ``name`` left by dead downloaders (we hold its lock)."""
+        for stale in self.folder.glob(f".{name}.partial-*"):
+            stale.unlink(missing_ok=True)
+
+    def _reserve(self, shard: Shard) -> None:
+        """Make room for ``shard`` under the limit, evicting least recently read shards."""
+        deadline = time.monotonic() + _WAIT_FOR_ROOM
+        while True:
+            with _locked(self.folder / ".cache.lock"):
+                used, present = self._usage(shard.name)
+                while used + shard.bytes > self.limit and present:
+                    name, size = present.pop(0)
+                    if self._evict(name):
+                        used -= size
+                if used + shard.bytes <= self.limit:
+                    return
+            if time.monotonic() > deadline:
+                raise CacheFullError(
+                    errno.ENOSPC,
+                    f"{self.folder}: no room for {shard.name} ({human_size(shard.bytes)}) within "
+                    f"cache_limit {human_size(self.limit)}: {human_size(used)} are shards being "
+                    "downloaded or read; raise cache_limit",
+                )
+            time.sleep(0.2)  # shards being downloaded by others hold their room: wait
+
+    def _usage(self, downloading: str) -> tuple[int, list[tuple[str, int]]]:
+        """Bytes held (shards present and partial downloads), and the shards present, least
+        recently read first."""
+        used, present = 0, []
+        for entry in os.scandir(self.folder):
+            name = entry.name
+            if name in self.sizes and name != downloading:
+                with contextlib.suppress(FileNotFoundError):
+                    present.append((entry.stat().st_atime, name, entry.stat().st_size))
+                    used += entry.stat().st_size
+            elif name.startswith(".") and ".partial-" in name:
+                owner = name[1:].split(".partial-")[0]
+                used += self.sizes.get(owner, 0) if owner != downloading else 0
+        present.sort()
+        return used, [(name, size) for _, name, size in present]
+
+    def _evict(self, name: str) -> bool:
+        """Delete shard ``name`` unless someone holds its lock (downloading it)."""
+        lock = self.folder / ".locks" / f"{name}.lock"
+        with _locked(lock, fcntl.LOCK_EX | fcntl.LOCK_NB) as taken:
+            if not taken:
+                return False
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.folder / name)
+                self.stats.evictions += 1
+            return True
+
+    # -- download ahead (the main process of each rank) ---------------------------------
+
+    def plan(self, shards: np.ndarray, ahead: int) -> None:
+        """This rank reads ``shards[k]`` at its k-th read: download ahead of it."""
+        order, first = _first_uses(shards)
+        self._plan, self._ahead, self._position = (order, first), ahead, 0
+        self._generation = getattr(self, "_generation", 0) + 1
+        if self._thread is None or not self._thread.is_alive():
+            self._stopped = False
+            self._thread = threading.Thread(target=self._ahead_loop, daemon=True, name="shards")
+            self._thread.start()
+        self._wake.set()
+
+    def reading_at(self, position: int) -> None:
+        self._position = position
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+
+    def _ahead_loop(self) -> None:
+        generation, k = -1, 0
+        while not self._stopped:
+            if generation != getattr(self, "_generation", 0):
+                generation, k = self._generation, 0
+            order, first = self._plan if self._plan is not None else (np.zeros(0), np.zeros(0))
+            reading = int(np.searchsorted(first, self._position, side="right"))
+            if k >= len(order) or k >= reading + self._ahead:
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                self.ensure(self.shards[int(order[k])], reader=False)
+            except Exception as error:  # noqa: BLE001 - the reader meets it and raises
+                self.plan_error = error
+                return
+            k += 1
+
+
+def _first_uses(shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The shards in order of first use, and the read number of each first use."""
+    unique, first = np.unique(np.asarray(shards), return_index=True)
+    by_time = np.argsort(first)
+    return unique[by_time], first[by_time]

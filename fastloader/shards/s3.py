@@ -1,0 +1,190 @@
+"""Shards in S3 or an S3-compatible store, through boto3 (the ``remote`` extra).
+
+NOTE [ One client per process ]
+boto3 was chosen over fsspec/s3fs and obstore: it is the reference client for S3 and every
+S3-compatible server (the endpoint from ``AWS_ENDPOINT_URL`` or ``endpoint_url=``), its
+standard credential chain refreshes expiring credentials (roles, SSO, instance metadata) by
+itself, its "standard" retry mode backs off on timeouts, 5xx, throttling and SlowDown, and it
+starts no runtime or thread at import (s3fs is not fork-safe, fsspec/s3fs #914; obstore's
+runtime started before a fork hangs workers). Its clients cannot be pickled and share a
+connection pool, and a pool shared across a fork lets two processes read each other's
+responses (MosaicML streaming's cache held one shard's bytes under another's name). So an
+``S3Store`` holds only the URL and options: its client is made on first use in each process
+(``_client``, keyed by pid) and never pickled, and a forked child drops the clients it
+inherited (``os.register_at_fork``) before it could use one. A body cut off mid-download is
+fetched again from where it stopped (a ranged GET), with backoff, up to ``retries`` times.
+Credentials never appear in a URL, an error or a repr here: errors name the ``s3://`` URL and
+the endpoint only.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EXTRA", "S3Store"]
+
+EXTRA = "pip install 'fastloader[remote]'"
+_CLIENTS: dict[tuple, Any] = {}  # (pid, endpoint, retries, timeout) -> this process's client
+_CHUNK = 8 << 20
+
+
+def _forget_clients() -> None:
+    _CLIENTS.clear()  # the parent's connections are not ours: NOTE [ One client per process ]
+
+
+os.register_at_fork(after_in_child=_forget_clients)
+
+
+def _boto3() -> Any:
+    try:
+        import boto3
+        import botocore  # noqa: F401
+    except ImportError:
+        raise ImportError(f"s3:// URLs need the remote extra: {EXTRA} (boto3)") from None
+    return boto3
+
+
+class S3Store:
+    """The shards under ``s3://bucket/prefix``.
+
+    Args:
+        url: ``s3://bucket/prefix`` (the prefix may be empty).
+        endpoint_url: an S3-compatible endpoint; default ``$AWS_ENDPOINT_URL``, else AWS.
+        retries: attempts per request (boto3's standard retry mode: backoff on timeouts, 5xx,
+            throttling) and per download (a cut-off body resumes with a ranged GET).
+        timeout: seconds to connect and between bytes read.
+
+    Raises:
+        ImportError: without the ``remote`` extra, naming it.
+        ValueError: for a URL without a bucket.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        endpoint_url: str | None = None,
+        retries: int = 8,
+        timeout: float = 30.0,
+    ) -> None:
+        _boto3()
+        rest = url.split("://", 1)[1]
+        bucket, _, prefix = rest.partition("/")
+        if not bucket:
+            raise ValueError(f"{url}: no bucket (expected s3://bucket/prefix)")
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
+        self.endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
+        self.retries, self.timeout = retries, timeout
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.url!r}, endpoint_url={self.endpoint_url!r})"
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def _where(self, name: str) -> str:
+        at = f" at {self.endpoint_url}" if self.endpoint_url else ""
+        return f"{self.url}/{name}{at}"
+
+    def _client(self) -> Any:
+        key = (os.getpid(), self.endpoint_url, self.retries, self.timeout)
+        client = _CLIENTS.get(key)
+        if client is None:
+            from botocore.config import Config
+
+            config = Config(
+                retries={"max_attempts": self.retries, "mode": "standard"},
+                connect_timeout=self.timeout,
+                read_timeout=self.timeout,
+            )
+            session = _boto3().session.Session()
+            client = session.client("s3", endpoint_url=self.endpoint_url, config=config)
+            _CLIENTS[key] = client
+        return client
+
+    def _call(self, name: str, method: str, **kwargs: Any) -> Any:
+        """``client.method(**kwargs)`` with errors that name the object, never credentials."""
+        from botocore import exceptions
+
+        try:
+            return getattr(self._client(), method)(Bucket=self.bucket, **kwargs)
+        except exceptions.NoCredentialsError:
+            raise PermissionError(
+                f"{self._where(name)}: no S3 credentials: set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or run where a role provides them)"
+            ) from None
+        except exceptions.ClientError as error:
+            raise _client_error(error, self._where(name)) from None
+        except exceptions.BotoCoreError as error:  # connection refused, timeouts: retried
+            raise ConnectionError(
+                f"{self._where(name)}: {type(error).__name__} after {self.retries} attempts"
+            ) from None
+
+    def local_path(self, name: str) -> Path | None:
+        return None
+
+    def exists(self, name: str) -> bool:
+        try:
+            self._call(name, "head_object", Key=self._key(name))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def read_bytes(self, name: str, limit: int) -> bytes:
+        response = self._call(name, "get_object", Key=self._key(name))
+        if response["ContentLength"] > limit:
+            response["Body"].close()
+            raise ValueError(f"{self._where(name)}: larger than {limit} bytes")
+        return response["Body"].read()
+
+    def download(self, name: str, dest: Path) -> None:
+        """Fetch ``name`` into ``dest``; a body cut off resumes where it stopped."""
+        from botocore import exceptions
+
+        with open(dest, "wb") as handle:
+            for attempt in range(self.retries):
+                done = handle.tell()
+                extra = {"Range": f"bytes={done}-"} if done else {}
+                try:
+                    response = self._call(name, "get_object", Key=self._key(name), **extra)
+                    body = response["Body"]
+                    while chunk := body.read(_CHUNK):
+                        handle.write(chunk)
+                    if handle.tell() >= done + response["ContentLength"]:
+                        return
+                except (ConnectionError, exceptions.BotoCoreError, OSError) as error:
+                    if isinstance(error, FileNotFoundError | PermissionError):
+                        raise
+                    if attempt == self.retries - 1:
+                        raise ConnectionError(
+                            f"{self._where(name)}: download failed after {self.retries} "
+                            f"attempts ({type(error).__name__})"
+                        ) from None
+                time.sleep(min(10.0, 0.1 * 2**attempt) * (0.5 + random.random()))
+        raise ConnectionError(f"{self._where(name)}: the body was cut off {self.retries} times")
+
+    def upload(self, source: Path, name: str) -> None:
+        with open(source, "rb") as handle:
+            self._call(name, "put_object", Key=self._key(name), Body=handle)
+
+    def put_bytes(self, name: str, data: bytes) -> None:
+        self._call(name, "put_object", Key=self._key(name), Body=data)  # one PUT: atomic
+
+    def delete(self, name: str) -> None:
+        self._call(name, "delete_object", Key=self._key(name))
+
+
+def _client_error(error: Any, where: str) -> OSError:
+    code = str(error.response.get("Error", {}).get("Code", ""))
+    status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    if code in ("NoSuchKey", "404", "NotFound"):
+        return FileNotFoundError(f"{where}: no such object")
+    if code == "NoSuchBucket":
+        return FileNotFoundError(f"{where}: no such bucket")
+    if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
+        return PermissionError(f"{where}: access denied ({code}): check the S3 credentials")
+    return ConnectionError(f"{where}: S3 error {code or status}")

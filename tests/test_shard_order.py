@@ -1,0 +1,153 @@
+"""The shard-aware order and ShardedDataset over a local folder: every sample once per epoch, each
+rank on its own shards, exact resume on another world size, batch size and worker count."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from fastloader import DataLoader, ShardedDataset, ShardOrderSampler, pack
+from fastloader.sampling.shard_order import shard_epoch_order
+
+SEED = 7
+
+
+class Fields:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": np.full((4, 4), i, np.int32), "y": i}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sharded") / "train"
+    pack(Fields(400), path, shard_size="12KB", workers=0)
+    return path
+
+
+def _shard_of(dataset, indices):
+    return {dataset.shard_of(int(i)) for i in indices}
+
+
+def test_a_sharded_folder_reads_as_one_dataset_in_place(folder):
+    dataset = ShardedDataset(folder)
+    assert len(dataset) == 400 and dataset.cache is None
+    assert len(dataset.shard_counts) > 8
+    assert [int(dataset[i]["y"]) for i in range(400)] == list(range(400))
+    assert [int(s["x"][0, 0]) for s in dataset.__getitems__([399, 0, 200, 1])] == [399, 0, 200, 1]
+
+
+def test_the_order_is_a_permutation_from_seed_and_epoch_only():
+    counts = [30] * 20 + [7]
+    first = shard_epoch_order(SEED, 3, counts, 4, 2)
+    assert sorted(first.tolist()) == list(range(607))
+    assert np.array_equal(first, shard_epoch_order(SEED, 3, counts, 4, 2))
+    assert not np.array_equal(first, shard_epoch_order(SEED, 4, counts, 4, 2))
+    assert not np.array_equal(first, np.arange(607))
+
+
+def test_a_window_of_shards_is_read_at_once_per_lane():
+    counts = [50] * 40
+    order = shard_epoch_order(SEED, 0, counts, 4, 2)
+    shards = order // 50
+    # any 100 consecutive positions (25 per lane) touch at most 4 lanes x (2 + 1) shards
+    assert max(len(set(shards[k : k + 100])) for k in range(0, 1900, 100)) <= 12
+
+
+def test_each_rank_reads_its_own_shards_when_lanes_are_a_multiple_of_the_world(folder):
+    dataset = ShardedDataset(folder, lanes=4, window=2)
+    shards = len(dataset.shard_counts)
+    for world in (1, 2, 4):
+        per_rank = [
+            _shard_of(dataset, ShardOrderSampler(dataset, 8 // world, world, r, seed=SEED))
+            for r in range(world)
+        ]
+        # a shard cut by a lane's end is read by two ranks; nothing else is shared
+        assert sum(len(s) for s in per_rank) <= shards + 4
+        assert set().union(*per_rank) == set(range(shards))
+
+
+def _loaders(dataset, world, batch, workers=0, **sampler):
+    return [
+        DataLoader(
+            dataset,
+            batch_size=batch,
+            num_workers=workers,
+            sampler=ShardOrderSampler(dataset, batch, world, rank, seed=SEED, **sampler),
+            seed=SEED,
+        )
+        for rank in range(world)
+    ]
+
+
+def _ys(batch) -> list[int]:
+    return [int(y) for y in batch["y"]]
+
+
+def test_exact_resume_on_another_world_size_batch_size_and_worker_count(folder):
+    dataset = ShardedDataset(folder)
+    first = _loaders(dataset, 4, 5)
+    iterators = [iter(loader) for loader in first]
+    seen = []
+    for _ in range(6):  # 6 global steps of 20
+        seen += [y for it in iterators for y in _ys(next(it))]
+    state = first[0].state_dict()
+    assert state["position"] == 120 and all(loader.state_dict() == state for loader in first)
+    resumed = _loaders(ShardedDataset(folder), 3, 7, workers=2)
+    for loader in resumed:
+        loader.load_state_dict(state)
+        seen += [y for batch in loader for y in _ys(batch)]
+    assert sorted(seen) == list(range(400))  # every sample once: no repeat, no gap
+    # the steps before the stop are the uninterrupted run's
+    whole = _loaders(ShardedDataset(folder), 4, 5)
+    iterators = [iter(loader) for loader in whole]
+    again = [y for _ in range(6) for it in iterators for y in _ys(next(it))]
+    assert again == seen[:120]
+
+
+def test_resume_with_another_order_shape_is_refused_by_name(folder):
+    dataset = ShardedDataset(folder)
+    loader = _loaders(dataset, 1, 4)[0]
+    iterator = iter(loader)
+    next(iterator)
+    state = loader.state_dict()
+    other = _loaders(dataset, 1, 4, lanes=2)[0]
+    with pytest.raises(ValueError, match="lanes=8 window=4"):
+        other.load_state_dict(state)
+
+
+def test_samples_are_seeded_by_index_whatever_the_worker_count(folder):
+    def noisy(sample):
+        return {**sample, "r": random.random()}
+
+    dataset = ShardedDataset(folder, sample_transform=noisy)
+    runs = []
+    for workers in (0, 2):
+        loader = _loaders(dataset, 1, 16, workers=workers)[0]
+        runs.append({y: r for b in loader for y, r in zip(_ys(b), b["r"].tolist(), strict=True)})
+    assert runs[0] == runs[1] and len(runs[0]) == 400
+
+
+def test_the_dataset_pickles_without_open_shards(folder):
+    import pickle
+
+    dataset = ShardedDataset(folder)
+    dataset[0]
+    copy = pickle.loads(pickle.dumps(dataset))
+    assert not copy._open and int(copy[5]["y"]) == 5
+
+
+def test_shuffle_true_on_a_sharded_dataset_takes_the_shard_aware_order(folder):
+    dataset = ShardedDataset(folder)
+    loader = DataLoader(dataset, batch_size=16, shuffle=True, seed=SEED)
+    assert isinstance(loader.sampler, ShardOrderSampler)
+    ys = [y for batch in loader for y in _ys(batch)]
+    assert sorted(ys) == list(range(400)) and ys != list(range(400))
+    assert ys == [y for batch in _loaders(dataset, 1, 16)[0] for y in _ys(batch)]
