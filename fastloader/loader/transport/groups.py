@@ -86,9 +86,23 @@ class LoadedGroup(list):
 
 class Batches(list):
     """A group's results, in order: each a batch, or the ``ExceptionWrapper`` of a batch
-    that failed (what the main process receives for a ``TaskGroup``)."""
+    that failed (what the main process receives for a ``TaskGroup``). ``nbytes``: in the
+    main process, the bytes of the slot region they came in."""
+
+    nbytes = 0
+
+
+class Parts(list):
+    """A group whose batches grew past ``GROUP_BYTES`` since it was sized: its batches in
+    several regions, each part a ``Batches`` once received (see the NOTE, "Memory")."""
 
     __slots__ = ()
+
+    def joined(self) -> Batches:
+        """The parts' batches as one ``Batches`` (in the main process)."""
+        joined = Batches(item for part in self for item in part)
+        joined.nbytes = sum(part.nbytes for part in self)
+        return joined
 
 
 def batch_error(worker_id: int) -> ExceptionWrapper:
@@ -112,32 +126,43 @@ class GroupPlan:
     def __init__(self, allowed: bool) -> None:
         self.adapts = allowed  # the size follows each epoch's timing (until a death)
         self.size = 1
+        self.timed = 1  # the size the timing chose; ``size`` is at most what bytes allow
         self.pending: deque = deque()  # batches (or ExceptionWrappers) still to hand out
         self._counted = 0
         self._started = 0.0
-        self.batch_bytes = 0  # of the first batch (set by the pool)
 
     def new_epoch(self) -> None:
         """Drop what an abandoned epoch left; timing starts again with the epoch."""
         self.pending.clear()
         self._counted = 0
 
-    def count(self, workers: int) -> bool:
-        """Count one batch handed out; True when the size was just decided (again)."""
+    def count(self) -> bool:
+        """Count one batch handed out; True when it is the batch that decides the size."""
         self._counted += 1
         if self._counted == DECIDE_FROM:
             self._started = perf_counter()
-        elif self._counted == DECIDE_AT:
-            per_batch = (perf_counter() - self._started) / (DECIDE_AT - DECIDE_FROM)
-            fit = GROUP_BYTES // self.batch_bytes if self.batch_bytes else MAX_GROUP
-            self.size = max(1, min(group_size(per_batch, workers), fit))
-            return True
-        return False
+        return self._counted == DECIDE_AT
+
+    def decide(self, workers: int, batch_bytes: int) -> None:
+        """Size messages from the timing since ``DECIDE_FROM`` and the bytes of the batch
+        just handed out (``count`` said when)."""
+        per_batch = (perf_counter() - self._started) / (DECIDE_AT - DECIDE_FROM)
+        self.timed = group_size(per_batch, workers)
+        self.fit(batch_bytes)
+
+    def fit(self, batch_bytes: int) -> bool:
+        """Size messages for batches of ``batch_bytes`` (the latest received): at most the
+        timed size, within ``GROUP_BYTES``. True when the size changed."""
+        fit = GROUP_BYTES // batch_bytes if batch_bytes else MAX_GROUP
+        size = max(1, min(self.timed, fit))
+        changed = size != self.size
+        self.size = size
+        return changed
 
     def stop(self) -> None:
         """One batch per message from now on (after a worker's death)."""
         self.adapts = False
-        self.size = 1
+        self.size = self.timed = 1
 
     def grow(self, first: Any, schedule: Any, number: int) -> Any:
         """``first`` (a ``Task``) and the epoch's next batches as one ``TaskGroup`` of up to
