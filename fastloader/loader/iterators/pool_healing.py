@@ -187,9 +187,12 @@ class PoolHealing:
                 held.setdefault(info[0], []).append(number)
         pids = [worker.pid for worker in self._workers]
         progress = list(self._progress) if self._progress is not None else None
-        return stall_report(
-            self._timeout, pids, held, progress, self._sent_tasks, self._stack_folder
-        )
+        tasks = dict(self._sent_tasks)
+        for slot, current in enumerate(progress or ()):  # a group: the batch being loaded
+            culprit = self._batch_in_group(slot, current)
+            if culprit is not None:
+                tasks[current] = culprit
+        return stall_report(self._timeout, pids, held, progress, tasks, self._stack_folder)
 
 
 def in_main_thread() -> bool:

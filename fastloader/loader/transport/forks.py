@@ -18,6 +18,7 @@ import threading
 from collections.abc import Iterator
 
 from fastloader.loader.transport import receive
+from fastloader.loader.transport.slots import round_up
 
 #: how long a parent waits for its child to copy; past it, the rows stay held for good
 COPY_WAIT_S = 30.0
@@ -43,9 +44,9 @@ def _held() -> tuple[list, list]:
     rows, regions = [], []
     for files in list(receive._registry.values()):
         for slots in files:
-            for row, region in list(slots.live.items()):
+            for row, (address, size) in list(slots.live.items()):
                 rows.append((slots, row))
-                regions.append(region)
+                regions.append((address, round_up(size)))
     return rows, regions
 
 

@@ -22,7 +22,7 @@ import torch
 
 from fastloader.datasets.collate import plain_values
 from fastloader.loader.transport.groups import Batches
-from fastloader.loader.transport.slots import READY, SlotFile, numpy_dtype, round_up
+from fastloader.loader.transport.slots import READY, SlotFile, numpy_dtype
 
 _registry: dict[int, list[SlotFile]] = {}  # key -> the slot files of one worker pool
 _keys = itertools.count(1)
@@ -88,7 +88,7 @@ def rebuild(
             return STALE
         region = slots.region(row, offset, capacity)
         owner = (ctypes.c_ubyte * entries[0]).from_buffer(region)
-        slots.live[row] = (ctypes.addressof(owner), round_up(entries[0]))
+        slots.live[row] = (ctypes.addressof(owner), entries[0])
     # NOTE [ Batch transport ]: slot lifetime. Only this process frees the row: a forked
     # child's copy of the batch dying says nothing about this process's.
     weakref.finalize(owner, _free, slots, row, os.getpid()).atexit = False

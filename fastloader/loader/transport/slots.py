@@ -64,7 +64,7 @@ class SlotFile:
             self._end[0] = HEADER_BYTES
         self._maps: dict[int, tuple[int, int, mmap.mmap]] = {}  # row -> offset, capacity, map
         self.hint = 0  # the row ``acquire`` tries first (worker)
-        # main process: row -> (address, bytes) of the batch that holds it (receive.rebuild);
+        # main process: row -> (address, bytes used) of the batches that hold it (receive.rebuild);
         # rows kept READY for good (a forked child that may still read them: forks.py)
         self.live: dict[int, tuple[int, int]] = {}
         self.pinned: set[int] = set()
@@ -139,8 +139,11 @@ def acquire(slots: SlotFile, size: int) -> int | None:
         fits = free[capacities[free] >= size]
         if fits.size:
             row = int(fits[np.argmin(capacities[fits])])
-        else:  # grow: a never used row first, else the smallest free one gets a bigger region
-            row = int(free[np.argmin(capacities[free])])
+        else:  # grow: the biggest free region too small is handed back for a bigger one;
+            # a row never used only when every region is in use (batches that grow would
+            # otherwise leave a region of each size behind: ROWS regions)
+            placed = free[capacities[free] > 0]
+            row = int(placed[np.argmax(capacities[placed])]) if placed.size else int(free[0])
             slots.place(row, round_up(size + size // 8))
     table[row, 0] = WRITING
     table[row, 3] += 1  # a new batch in this row: a descriptor of the last one is stale
