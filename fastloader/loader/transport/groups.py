@@ -27,11 +27,29 @@ benchmarks/results/transport-groups-full.md):
   pages and start-up). Batches that take longer (images), a training loop slower than the
   loader (a GPU step) and pools whose epochs are all shorter stay one batch per message.
   Groups never cross an epoch.
-* **Memory.** A group's batches share one slot region, and a group holds at most
-  ``GROUP_BYTES`` of batches. The messages in flight per worker are the batch depth divided
-  by the group size, at least 2: at most two groups or the depth plus one group, within the
-  ``PREFETCH_BYTES`` that NOTE [ Prefetch depth by batch bytes ] allows. A batch the user
-  keeps holds its group's region until every batch of the group is dropped.
+* **Memory.** A group's batches share one slot region, and a region holds at most
+  ``GROUP_BYTES`` of batches (or one batch, where one alone is bigger), whatever the batches
+  become. The size follows the bytes of the batches actually sent: it is decided from the
+  bytes of the deciding batch, and every group received sizes the groups sent after it
+  (``GroupPlan.fit``, from the region's bytes per batch), up to the size the timing chose.
+  Groups already sent when batches grow are cut by the worker, by the bytes it collated, into
+  several regions of at most ``GROUP_BYTES`` sent as one message (``Parts``). Sized on the
+  first batch instead, batches that grew over an epoch travelled 16 to a 58 MB region and
+  held 297 MB per worker (issue 39); now 8 MB regions and 31 MB (tests/test_transport_round4.py).
+  The messages in flight per worker are the batch depth divided by the group size, at least
+  2: at most two groups or the depth plus one group, within the ``PREFETCH_BYTES`` that NOTE
+  [ Prefetch depth by batch bytes ] allows. So slot memory per worker stays within the
+  messages in flight plus three regions (the one being written, and the two whose batches
+  the training loop holds as it moves from one group to the next), each ``GROUP_BYTES`` and
+  an eighth to grow, while batches are below ``GROUP_BYTES``. A batch the user keeps holds
+  its group's region until every batch of the group is dropped.
+* **Timeouts.** ``timeout=`` is torch's wait for one batch. A message of 16 batches of 0.3 s
+  takes 4.8 s, so the main process does not time the message: while it waits, it watches the
+  progress of the worker holding the awaited task (its task number and the batch of its group
+  it loads, the shared slots supervision keeps) and starts the wait again whenever that moves.
+  A batch stuck longer than ``timeout`` raises the timeout error, naming the batch of the
+  group being loaded; batches that each beat it never do. Without supervision (a benchmark
+  switch) the wait is the timeout times the batches in the awaited message.
 * **Failures.** Each batch of a group fails alone: an error loading or collating it is that
   batch's result, raised in its place; the group's other batches arrive. A worker killed
   while loading a group is healed as for one batch (NOTE [ Supervised workers ]): the group is
@@ -60,7 +78,7 @@ MESSAGE_S = 0.004  # workers' time one message should carry
 #: pose batches of 64, 2 workers, against the in-process rate (interleaved, 2 runs each): groups
 #: of 2 gave 0.86-0.88x, 8 1.05-1.20x, 16 1.24-1.39x, 24 1.14-1.31x
 MAX_GROUP = 16
-GROUP_BYTES = 8 << 20  # a group's batches together: a quarter of PREFETCH_BYTES
+GROUP_BYTES = 8 << 20  # the batches of one region together: a quarter of PREFETCH_BYTES
 
 
 class TaskGroup(NamedTuple):
