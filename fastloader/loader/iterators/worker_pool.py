@@ -348,8 +348,7 @@ class WorkerPoolIter(
                 item = self._get_within_timeout()
             else:  # torch's wait (pin-memory thread check included)
                 item = super()._get_data()
-            # a descriptor of a row reclaimed after its worker died: its task went again
-            if item[1] is not STALE and self._is_expected(item[0]):
+            if not _stale(item[1]) and self._is_expected(item[0]):
                 return item
 
     def _get_within_timeout(self) -> Any:
@@ -453,3 +452,9 @@ class WorkerPoolIter(
     def shutdown(self) -> None:
         """Stop the worker processes now."""
         self._shutdown_workers()
+
+
+def _stale(data: Any) -> bool:
+    """Whether a result holds a descriptor of a row reclaimed after its worker died (its task
+    was sent again: NOTE [ Batch transport ], "Writing, and the commit")."""
+    return data is STALE or (type(data) is Parts and any(part is STALE for part in data))

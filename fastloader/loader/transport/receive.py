@@ -22,7 +22,7 @@ import torch
 
 from fastloader.datasets.collate import plain_values
 from fastloader.loader.transport.groups import Batches
-from fastloader.loader.transport.slots import READY, SlotFile, numpy_dtype
+from fastloader.loader.transport.slots import COLUMNS, READY, SlotFile, numpy_dtype
 
 _registry: dict[int, list[SlotFile]] = {}  # key -> the slot files of one worker pool
 _keys = itertools.count(1)
@@ -82,9 +82,9 @@ def rebuild(
     entries = _layouts.get(layout)
     if entries is None:
         entries = _unpickled_layout(layout)
-    table = slots.table
+    words, at = slots.words, row * COLUMNS  # (state, offset, capacity, generation)
     with rows_lock:
-        if table[row, 0] != READY or table[row, 3] != generation:
+        if words[at] != READY or words[at + 3] != generation:
             return STALE
         region = slots.region(row, offset, capacity)
         owner = (ctypes.c_ubyte * entries[0]).from_buffer(region)

@@ -59,6 +59,8 @@ class SlotFile:
         words = np.frombuffer(self._header, dtype=np.int64, count=_END + 1)
         # rows of (state, offset, capacity, generation)
         self.table = words[:_END].reshape(ROWS, COLUMNS)
+        # the same words for reading one at a time (a third of indexing ``table``)
+        self.words = memoryview(self._header).cast("q")
         self._end = words[_END:]
         if create:
             self._end[0] = HEADER_BYTES
