@@ -162,3 +162,20 @@ def test_a_descriptor_of_a_reclaimed_row_rebuilds_as_stale():
         assert file.table[row, 0] == slots.FREE
     finally:
         receive.unregister(key)
+
+
+def test_a_group_grown_past_its_bytes_is_cut_into_regions_within_them():
+    from fastloader.loader.transport.send import _cut
+
+    mib = 1 << 20
+
+    def cuts(sizes_mib):  # one leaf per batch, as ``_layout`` places them
+        offsets = [sum(sizes_mib[:i]) * mib for i in range(len(sizes_mib))]
+        layout = tuple(("n", None, (), offset, 0) for offset in offsets)
+        return _cut(layout, sum(sizes_mib) * mib, list(range(1, len(sizes_mib) + 1)))
+
+    assert groups.GROUP_BYTES == 8 * mib
+    assert cuts([3, 3, 3]) == [2, 3]  # 6 MiB, then 3
+    assert cuts([2, 2, 2, 2]) == [4]  # exactly the bound: one region
+    assert cuts([10, 1, 1]) == [1, 3]  # a batch bigger than the bound goes alone
+    assert cuts([1, 10, 1]) == [1, 2, 3]

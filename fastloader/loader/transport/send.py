@@ -288,7 +288,7 @@ def _cut(layout: tuple, size: int, ends: list[int]) -> list[int]:
     cuts = []
     begun = 0  # the offset where the current region begins
     for number, end in enumerate(ends):
-        if starts[end] - begun > GROUP_BYTES and number and (not cuts or cuts[-1] != number):
+        if number and starts[end] - begun > GROUP_BYTES:  # (the region's first batch stays)
             cuts.append(number)
             begun = starts[ends[number - 1]]
     cuts.append(len(ends))
