@@ -11,7 +11,8 @@ worker and READY -> FREE in the main process (when no tensor points into the reg
 or when supervision reclaims the row of a dead worker that never sent it), so each side writes
 only the transitions it owns and no lock is shared between processes. ``capacity == 0`` marks a
 row that holds no region yet; ``generation`` counts the row's batches (a descriptor names it, so
-a descriptor of a reclaimed row is known stale: NOTE [ Batch transport ], "Slot lifetime").
+a descriptor of a reclaimed row is known stale: NOTE [ Batch transport ], "Writing, and the
+commit").
 """
 
 from __future__ import annotations
