@@ -17,6 +17,7 @@ from fastloader.loader import supervision as _supervision
 from fastloader.loader.seeding import Task
 from fastloader.loader.supervision import (
     NOT_STARTED,
+    DeathVerdict,
     WorkersLostError,
     judge_death,
     release_orphaned_write_lock,
@@ -24,6 +25,8 @@ from fastloader.loader.supervision import (
     warn_death,
     warn_never_started,
 )
+from fastloader.loader.transport import receive
+from fastloader.loader.transport.forks import workers_starting
 from fastloader.loader.transport.groups import Batches, TaskGroup
 from fastloader.loader.transport.pipes import write_directly
 
@@ -79,44 +82,55 @@ class PoolHealing:
             if self._groups.size > 1 or self._groups.adapts:  # NOTE [ Batches per message ]
                 self._groups.stop()  # one batch per message from now on
                 self._prefetch_factor = self._batch_depth or self._prefetch_factor
-            resend = verdict.resend
-            if verdict.poisoned is not None and culprit is not None:
-                # the group goes again, the poison batch skipped: its error is its result
-                number, result = verdict.poisoned
-                group = self._sent_tasks[number]
-                skipped = (*group.skipped, (self._group_progress[slot], result))
-                self._sent_tasks[number] = group._replace(skipped=skipped)
-                self._ledger.forget(number)  # another batch of it starts with no deaths
-                resend = [number, *resend]
-            elif verdict.poisoned is not None:
-                number, result = verdict.poisoned
-                task = self._sent_tasks.pop(number, None)
-                if type(task) is TaskGroup:  # died past its loads: every batch raises it
-                    result = Batches([result] * len(task.batches))
-                # handed on by _get_data as the task's result, so torch's loop goes on even
-                # when no other result will come (the following tasks are poison too)
-                self._settled.append((number, result))
+            resend = self._settle(verdict, culprit is not None, slot)
             if verdict.broken is not None:
                 self._broken = verdict.broken
                 raise WorkersLostError(self._broken)
             if not never_started:  # one that never ran cannot hold the lock: a live one does
                 self._reads.drop_torn()
                 release_orphaned_write_lock(self._worker_result_queue)
-            try:
-                self._start_worker(slot)
-            except Exception as error:
-                self._broken = f"fastloader: cannot start a replacement DataLoader worker: {error}"
-                raise WorkersLostError(self._broken) from error
-            queue = self._index_queues[slot]
-            if self._resetting:
-                queue.put(_utils.worker._ResumeIteration(self._shared_seed))
-            for number in resend:
-                queue.put((number, self._sent_tasks[number]))
-            self._replaced += 1
+            if self._slot_key is not None:  # NOTE [ Batch transport ], "Slot lifetime"
+                receive.reclaim_unsent(self._slot_key, slot)
+            self._replace(slot, resend)
             if never_started:
                 warn_never_started(slot, old.pid, replaced=True)
             else:
                 warn_death(slot, old.pid, old.exitcode, len(resend))
+
+    def _settle(self, verdict: DeathVerdict, in_group: bool, slot: int) -> list[int]:
+        """Carry out a poison verdict; the numbers of the tasks to send again."""
+        resend = verdict.resend
+        if verdict.poisoned is not None and in_group:
+            # the group goes again, the poison batch skipped: its error is its result
+            number, result = verdict.poisoned
+            group = self._sent_tasks[number]
+            skipped = (*group.skipped, (self._group_progress[slot], result))
+            self._sent_tasks[number] = group._replace(skipped=skipped)
+            self._ledger.forget(number)  # another batch of it starts with no deaths
+            resend = [number, *resend]
+        elif verdict.poisoned is not None:
+            number, result = verdict.poisoned
+            task = self._sent_tasks.pop(number, None)
+            if type(task) is TaskGroup:  # died past its loads: every batch raises it
+                result = Batches([result] * len(task.batches))
+            # handed on by _get_data as the task's result, so torch's loop goes on even
+            # when no other result will come (the following tasks are poison too)
+            self._settled.append((number, result))
+        return resend
+
+    def _replace(self, slot: int, resend: list[int]) -> None:
+        """Start a new worker in ``slot`` and send it the dead one's tasks again."""
+        try:
+            self._start_worker(slot)
+        except Exception as error:
+            self._broken = f"fastloader: cannot start a replacement DataLoader worker: {error}"
+            raise WorkersLostError(self._broken) from error
+        queue = self._index_queues[slot]
+        if self._resetting:
+            queue.put(_utils.worker._ResumeIteration(self._shared_seed))
+        for number in resend:
+            queue.put((number, self._sent_tasks[number]))
+        self._replaced += 1
 
     def _batch_in_group(self, slot: int, current: int) -> Task | None:
         """The batch of group task ``current`` that worker ``slot`` was loading, as a
@@ -156,7 +170,8 @@ class PoolHealing:
             ),
         )
         worker.daemon = True
-        worker.start()
+        with workers_starting():  # NOTE [ Batch transport ], "A batch in another process"
+            worker.start()
         self._starting[slot] = time.monotonic()
         old_queue = self._index_queues[slot]
         old_queue.cancel_join_thread()
@@ -172,9 +187,12 @@ class PoolHealing:
                 held.setdefault(info[0], []).append(number)
         pids = [worker.pid for worker in self._workers]
         progress = list(self._progress) if self._progress is not None else None
-        return stall_report(
-            self._timeout, pids, held, progress, self._sent_tasks, self._stack_folder
-        )
+        tasks = dict(self._sent_tasks)
+        for slot, current in enumerate(progress or ()):  # a group: the batch being loaded
+            culprit = self._batch_in_group(slot, current)
+            if culprit is not None:
+                tasks[current] = culprit
+        return stall_report(self._timeout, pids, held, progress, tasks, self._stack_folder)
 
 
 def in_main_thread() -> bool:

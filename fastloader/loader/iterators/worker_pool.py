@@ -45,8 +45,10 @@ from fastloader.loader.supervision import (
     warn_reseeded,
 )
 from fastloader.loader.transport import receive
-from fastloader.loader.transport.groups import Batches, GroupPlan
+from fastloader.loader.transport.forks import workers_starting
+from fastloader.loader.transport.groups import Batches, GroupPlan, Parts, TaskGroup
 from fastloader.loader.transport.pipes import write_directly
+from fastloader.loader.transport.receive import STALE
 from fastloader.loader.transport.send import SlotCollate
 from fastloader.loader.transport.slots import SlotFile
 from fastloader.loader.worker_guard import WorkerInit, make_stack_folder
@@ -77,11 +79,7 @@ class WorkerPoolIter(
         self._supervised = WorkerPoolIter.supervise and self._schedule is not None
         self._starting: dict[int, float] = {}  # slot -> when started (NOTE [ Worker start-up ])
         self._forks = context.get_start_method() == "fork"
-        if self._supervised:
-            self._progress = context.RawArray("q", [NOT_STARTED] * loader.num_workers)
-            self._group_progress = context.RawArray("q", loader.num_workers)
-        if self._schedule is not None:
-            self.busy_seconds = context.RawArray("d", loader.num_workers)
+        self._shared_arrays(context, loader.num_workers)
         self._process_factory = loader.multiprocessing_context or torch.multiprocessing
         self._ledger = DeathLedger()
         self._sent_tasks: dict[int, Task] = {}
@@ -94,7 +92,6 @@ class WorkerPoolIter(
         self._reseeded = None  # see WorkerInit; checked until the first epoch ends
         if loader.worker_init_fn is not None and "reseeded" not in loader._warned:
             self._reseeded = context.RawValue("b", 0)
-        self._writing = context.RawArray("b", loader.num_workers)  # NOTE [ Torn results ]
         self._slot_key = None  # NOTE [ Batch transport ]
         if WorkerPoolIter.slots:
             self._slot_key = receive.register(
@@ -116,12 +113,22 @@ class WorkerPoolIter(
             and not self._seeding.get("collate_may_draw", True)
         )
         started = time.perf_counter()
-        super().__init__(loader)
+        with workers_starting():  # NOTE [ Batch transport ], "A batch in another process"
+            super().__init__(loader)
         self.startup_s = time.perf_counter() - started
         self._reads = guard_reads(self._worker_result_queue, self._writing, self._workers)
         if self._supervised:  # from when every worker has been started (not before forking)
             self._starting = dict.fromkeys(range(loader.num_workers), time.monotonic())
         self._bind(loader)
+
+    def _shared_arrays(self, context: Any, workers: int) -> None:
+        # what workers write and the main process reads, one entry per worker slot
+        if self._supervised:
+            self._progress = context.RawArray("q", [NOT_STARTED] * workers)
+            self._group_progress = context.RawArray("q", workers)
+        if self._schedule is not None:
+            self.busy_seconds = context.RawArray("d", workers)
+        self._writing = context.RawArray("b", workers)  # NOTE [ Torn results ]
 
     @property
     def _worker_init_fn(self) -> WorkerInit:
@@ -288,9 +295,13 @@ class WorkerPoolIter(
     def _process_data(self, data: Any, worker_idx: int) -> Any:
         if self._reseeded is not None and self._reseeded.value:
             self._warn_reseeded()
+        if type(data) is Parts:  # NOTE [ Batches per message ], "Memory"
+            data = data.joined()
         if type(data) is Batches:  # NOTE [ Batches per message ]
             super()._process_data(data, worker_idx)  # torch sends the next task
             self._groups.pending.extend(data)
+            if self._groups.adapts and data.nbytes and self._groups.fit(data.nbytes // len(data)):
+                self._fit_messages()
             return self._hand_out()
         # Counted before torch re-raises a failed batch: it counts toward the epoch's end.
         self._delivered += 1
@@ -298,25 +309,29 @@ class WorkerPoolIter(
         if self._depth_pending:  # NOTE [ Prefetch depth by batch bytes ]
             self._depth_pending = False
             self._prefetch_factor = self._batch_depth = prefetch_depth(batch)
-            self._groups.batch_bytes = batch_bytes(batch)
             self._fill()
         elif self._groups.adapts:
-            self._count_for_groups()
+            self._count_for_groups(batch)
         return batch
 
     def _hand_out(self) -> Any:
         item = self._groups.pending.popleft()
         self._delivered += 1  # (a batch that failed counts too, as above)
         if self._groups.adapts:
-            self._count_for_groups()
+            self._count_for_groups(item)
         if isinstance(item, ExceptionWrapper):
             item.reraise()
         return item
 
-    def _count_for_groups(self) -> None:
-        # NOTE [ Batches per message ]: messages in flight per worker follow the group size
-        if self._groups.count(self._num_workers):
-            self._prefetch_factor = max(2, -(-self._batch_depth // self._groups.size))
+    def _count_for_groups(self, batch: Any) -> None:
+        # NOTE [ Batches per message ]: decided from the timing and this batch's bytes
+        if self._groups.count() and not isinstance(batch, ExceptionWrapper):
+            self._groups.decide(self._num_workers, batch_bytes(batch))
+            self._fit_messages()
+
+    def _fit_messages(self) -> None:
+        # messages in flight per worker follow the group size
+        self._prefetch_factor = max(2, -(-self._batch_depth // self._groups.size))
 
     def _warn_reseeded(self) -> None:
         self._reseeded = None
@@ -330,13 +345,47 @@ class WorkerPoolIter(
             if self._broken is not None:
                 raise WorkersLostError(self._broken)
             if self._timeout > 0:
-                success, item = self._try_get_data(self._timeout)
-                if not success:
-                    raise RuntimeError(self._stall_report())
+                item = self._get_within_timeout()
             else:  # torch's wait (pin-memory thread check included)
                 item = super()._get_data()
-            if self._is_expected(item[0]):
+            if not _stale(item[1]) and self._is_expected(item[0]):
                 return item
+
+    def _get_within_timeout(self) -> Any:
+        # torch's timeout is the wait for one batch: while a group loads, the wait starts
+        # again with each of its batches (NOTE [ Batches per message ], "Timeouts")
+        seen = self._batch_progress()
+        deadline = time.monotonic() + self._timeout * self._unwatched_batches()
+        while True:
+            wait = max(0.0, min(POLL_S, deadline - time.monotonic()))
+            success, item = self._try_get_data(wait)
+            if success:
+                return item
+            now = self._batch_progress()
+            if now != seen:
+                seen, deadline = now, time.monotonic() + self._timeout
+            elif time.monotonic() >= deadline:
+                raise RuntimeError(self._stall_report())
+
+    def _batch_progress(self) -> list[tuple[int, int]]:
+        """What moves while the awaited workers load: each one's task and batch of its group
+        (nothing without supervision)."""
+        if self._group_progress is None:
+            return []
+        if self._in_order:
+            info = self._task_info.get(self._rcvd_idx)
+            slots = {info[0]} if info is not None and len(info) == 1 else set()
+        else:
+            slots = {info[0] for info in self._task_info.values() if len(info) == 1}
+        return [(self._progress[slot], self._group_progress[slot]) for slot in sorted(slots)]
+
+    def _unwatched_batches(self) -> int:
+        """Batches in the awaited message when no progress is shared (no supervision): the
+        wait is the timeout for each of them."""
+        if self._group_progress is not None:
+            return 1
+        task = self._sent_tasks.get(self._rcvd_idx)
+        return len(task.batches) if type(task) is TaskGroup else 1
 
     def _is_expected(self, idx: Any) -> bool:
         """Whether a result is one torch waits for (not a duplicate after a replacement)."""
@@ -403,3 +452,9 @@ class WorkerPoolIter(
     def shutdown(self) -> None:
         """Stop the worker processes now."""
         self._shutdown_workers()
+
+
+def _stale(data: Any) -> bool:
+    """Whether a result holds a descriptor of a row reclaimed after its worker died (its task
+    was sent again: NOTE [ Batch transport ], "Writing, and the commit")."""
+    return data is STALE or (type(data) is Parts and any(part is STALE for part in data))

@@ -1,8 +1,9 @@
 """Batches from worker processes to the main process through reusable shared-memory slots.
 
 Who runs what: ``slots.py`` is the memory and its table (both sides), ``send.py`` runs in the
-workers, ``receive.py`` in the main process, ``pipes.py`` writes the queues' messages (tasks,
-descriptors) in the calling thread on both sides (NOTE [ Puts without a feeder thread ]).
+workers, ``receive.py`` in the main process, ``forks.py`` at every fork of a process holding
+batches, ``pipes.py`` writes the queues' messages (tasks, descriptors) in the calling thread on
+both sides (NOTE [ Puts without a feeder thread ]).
 Imports: torch, NumPy, the standard library and ``fastloader.datasets.collate`` (stacking).
 
 NOTE [ Batch transport ]
@@ -21,8 +22,11 @@ rate for a user's HDF5 fields). Here a batch costs one copy, made in the worker:
   multiprocessing's ``DupFd``); a replacement worker gets the same file. The file is a header
   page, a table of ``ROWS`` rows ``(state, offset, capacity)``, and regions after it. Regions
   are made by the worker on demand: the first batch sizes the first one (plus 1/8 for ragged
-  batches), a batch that fits no free region gets a bigger one (the smallest free row's old
-  region is handed back to the system: ``MADV_REMOVE``), so memory in use is about
+  batches), a batch that fits no free region gets a bigger one (the biggest free region too
+  small is handed back to the system, ``MADV_REMOVE``, and its row gets the new one; a row
+  never used only when every region is in use: batches that grow over an epoch once left a
+  region of each size behind, 64 rows and 94 MB per worker where 9 rows and 18 MB now
+  serve, tests/test_transport_round4.py), so memory in use is about
   (batches in flight + batches the user holds) x batch bytes per worker: with the default
   depth (NOTE [ Prefetch depth by batch bytes ]: 2 to 8 batches in flight, about 32 MB of
   them per worker) and a training loop that drops each batch, depth + 1-2 regions.
@@ -45,10 +49,14 @@ rate for a user's HDF5 fields). Here a batch costs one copy, made in the worker:
   KB), written to the pipe in one ``write`` (atomic up to PIPE_BUF, 4 KB), so the result pipe
   rarely carries a message that can tear; NOTE [ Torn results ] still guards the rest and
   batches that travel the old way. A worker killed after READY and before its descriptor is
-  written leaves that row READY for good (the main process cannot tell it from a descriptor
-  still in the pipe, and freeing it could hand a live batch's memory back to the worker): one
-  region per such death, bounded by ``ROWS``, after which that worker slot's batches travel
-  torch's way, correct and slower.
+  written leaves that row READY with nobody to free it: when supervision replaces the worker,
+  the main process frees every READY row of that worker slot that no batch of its holds
+  (``receive.reclaim_unsent``). A descriptor of such a row may still be in the pipe; each
+  ``acquire`` counts the row's generation (the table's fourth column) and a descriptor names
+  the generation it was written in, so ``rebuild`` turns a descriptor whose row was reclaimed
+  (FREE, or taken again) into ``STALE``, dropped like a duplicate (its task was sent again
+  with the dead worker's others). The check and the taking of a row hold ``rows_lock``, as
+  does the reclaim (the pin-memory thread rebuilds while the main thread heals).
 * **Descriptors.** A batch's layout is the same from batch to batch (same fields, dtypes,
   shapes), and pickling its dtypes was a third of a descriptor's cost. Each worker keeps the
   pickle of the layouts it sent (``SlotCollate._described``) and sends those bytes; the main
@@ -66,8 +74,8 @@ rate for a user's HDF5 fields). Here a batch costs one copy, made in the worker:
 * **Slot lifetime.** The per-batch buffer object carries a finalizer that marks the row FREE.
   Every view (and every view of a view, ``.numpy()``, slices) keeps that object alive, so a
   row returns to its worker exactly when no tensor or array of the user's points into it:
-  a user who keeps batches (``list(loader)``), or sends one to another process (torch moves
-  it into new shared memory first: the pickle path copies), always sees correct data. Each
+  a user who keeps batches (``list(loader)``), or hands one to another process (see "A batch
+  in another process" below), always sees correct data. Each
   side writes only its own transitions (worker FREE->WRITING->READY, main READY->FREE), so
   no lock is shared between processes. Only the process that rebuilt the batch frees its row:
   a process forked from it holds copies of the same objects, and their end frees nothing.
@@ -76,6 +84,23 @@ rate for a user's HDF5 fields). Here a batch costs one copy, made in the worker:
   is 9.6 MB, about 1-3 ms on the 2-core box against ~0.1 ms to wrap, so batches are wrapped,
   not copied. When every row of a worker is held (a user keeping more than ``ROWS`` batches
   per worker), batches travel torch's way until rows come back: correct, only slower.
+* **A batch in another process.** The rule: a batch's values hold for as long as *any*
+  process holds it. A batch pickled to another process (a ``multiprocessing`` queue, a spawn
+  or forkserver child's arguments) is copied by the pickling: torch moves a tensor's storage
+  into new shared memory, NumPy pickles its bytes; the row is then freed when this process's
+  views die, and the other process never saw it. A *forked* child is different: it inherits
+  the mapping itself (``MAP_SHARED``), and once this process drops the batch the row is
+  freed and a worker writes a later batch into memory the child still reads (issue 39: the
+  child's ``[0..3]`` became ``[216..219]``). So ``forks.py`` registers ``os.register_at_fork``
+  hooks: before a fork, under ``rows_lock``, the rows this process holds (``SlotFile.live``,
+  kept by ``rebuild`` and its finalizer: one dict entry per batch) are noted; in the child,
+  each held region's pages are replaced by private copies (an anonymous mapping, copied and
+  moved over them with ``mremap``: the child's views keep their addresses and values); the
+  parent waits for the child's word before going on, so no row is freed before the copy is
+  made (a child that cannot copy or does not answer within ``COPY_WAIT_S``: those rows are
+  never freed). Forks that start the pool's own workers skip it (``workers_starting``: they
+  read no batch of the parent). Cost: none for a process that holds no batch or never forks;
+  a fork while batches are held pays one copy of their bytes, in the child.
 * **What does not go through slots.** Leaves that are not plain CPU tensors or NumPy arrays
   of a plain dtype (tensor subclasses, tensors that require grad, sparse, conjugate or
   quantized tensors, object arrays) and containers other than list, tuple, dict and

@@ -28,11 +28,29 @@ benchmarks/results/transport-groups-full.md):
   pages and start-up). Batches that take longer (images), a training loop slower than the
   loader (a GPU step) and pools whose epochs are all shorter stay one batch per message.
   Groups never cross an epoch.
-* **Memory.** A group's batches share one slot region, and a group holds at most
-  ``GROUP_BYTES`` of batches. The messages in flight per worker are the batch depth divided
-  by the group size, at least 2: at most two groups or the depth plus one group, within the
-  ``PREFETCH_BYTES`` that NOTE [ Prefetch depth by batch bytes ] allows. A batch the user
-  keeps holds its group's region until every batch of the group is dropped.
+* **Memory.** A group's batches share one slot region, and a region holds at most
+  ``GROUP_BYTES`` of batches (or one batch, where one alone is bigger), whatever the batches
+  become. The size follows the bytes of the batches actually sent: it is decided from the
+  bytes of the deciding batch, and every group received sizes the groups sent after it
+  (``GroupPlan.fit``, from the region's bytes per batch), up to the size the timing chose.
+  Groups already sent when batches grow are cut by the worker, by the bytes it collated, into
+  several regions of at most ``GROUP_BYTES`` sent as one message (``Parts``). Sized on the
+  first batch instead, batches that grew over an epoch travelled 16 to a 58 MB region and
+  held 297 MB per worker (issue 39); now 8 MB regions and 31 MB (tests/test_transport_round4.py).
+  The messages in flight per worker are the batch depth divided by the group size, at least
+  2: at most two groups or the depth plus one group, within the ``PREFETCH_BYTES`` that NOTE
+  [ Prefetch depth by batch bytes ] allows. So slot memory per worker stays within the
+  messages in flight plus three regions (the one being written, and the two whose batches
+  the training loop holds as it moves from one group to the next), each ``GROUP_BYTES`` and
+  an eighth to grow, while batches are below ``GROUP_BYTES``. A batch the user keeps holds
+  its group's region until every batch of the group is dropped.
+* **Timeouts.** ``timeout=`` is torch's wait for one batch. A message of 16 batches of 0.3 s
+  takes 4.8 s, so the main process does not time the message: while it waits, it watches the
+  progress of the worker holding the awaited task (its task number and the batch of its group
+  it loads, the shared slots supervision keeps) and starts the wait again whenever that moves.
+  A batch stuck longer than ``timeout`` raises the timeout error, naming the batch of the
+  group being loaded; batches that each beat it never do. Without supervision (a benchmark
+  switch) the wait is the timeout times the batches in the awaited message.
 * **Failures.** Each batch of a group fails alone: an error loading or collating it is that
   batch's result, raised in its place; the group's other batches arrive. A worker killed
   while loading a group is healed as for one batch (NOTE [ Supervised workers ]): the group is
@@ -61,7 +79,7 @@ MESSAGE_S = 0.004  # workers' time one message should carry
 #: pose batches of 64, 2 workers, against the in-process rate (interleaved, 2 runs each): groups
 #: of 2 gave 0.86-0.88x, 8 1.05-1.20x, 16 1.24-1.39x, 24 1.14-1.31x
 MAX_GROUP = 16
-GROUP_BYTES = 8 << 20  # a group's batches together: a quarter of PREFETCH_BYTES
+GROUP_BYTES = 8 << 20  # the batches of one region together: a quarter of PREFETCH_BYTES
 
 
 class TaskGroup(NamedTuple):
@@ -87,9 +105,23 @@ class LoadedGroup(list):
 
 class Batches(list):
     """A group's results, in order: each a batch, or the ``ExceptionWrapper`` of a batch
-    that failed (what the main process receives for a ``TaskGroup``)."""
+    that failed (what the main process receives for a ``TaskGroup``). ``nbytes``: in the
+    main process, the bytes of the slot region they came in."""
+
+    nbytes = 0
+
+
+class Parts(list):
+    """A group whose batches grew past ``GROUP_BYTES`` since it was sized: its batches in
+    several regions, each part a ``Batches`` once received (see the NOTE, "Memory")."""
 
     __slots__ = ()
+
+    def joined(self) -> Batches:
+        """The parts' batches as one ``Batches`` (in the main process)."""
+        joined = Batches(item for part in self for item in part)
+        joined.nbytes = sum(part.nbytes for part in self)
+        return joined
 
 
 def batch_error(worker_id: int) -> ExceptionWrapper:
@@ -113,32 +145,43 @@ class GroupPlan:
     def __init__(self, allowed: bool) -> None:
         self.adapts = allowed  # the size follows each epoch's timing (until a death)
         self.size = 1
+        self.timed = 1  # the size the timing chose; ``size`` is at most what bytes allow
         self.pending: deque = deque()  # batches (or ExceptionWrappers) still to hand out
         self._counted = 0
         self._started = 0.0
-        self.batch_bytes = 0  # of the first batch (set by the pool)
 
     def new_epoch(self) -> None:
         """Drop what an abandoned epoch left; timing starts again with the epoch."""
         self.pending.clear()
         self._counted = 0
 
-    def count(self, workers: int) -> bool:
-        """Count one batch handed out; True when the size was just decided (again)."""
+    def count(self) -> bool:
+        """Count one batch handed out; True when it is the batch that decides the size."""
         self._counted += 1
         if self._counted == DECIDE_FROM:
             self._started = perf_counter()
-        elif self._counted == DECIDE_AT:
-            per_batch = (perf_counter() - self._started) / (DECIDE_AT - DECIDE_FROM)
-            fit = GROUP_BYTES // self.batch_bytes if self.batch_bytes else MAX_GROUP
-            self.size = max(1, min(group_size(per_batch, workers), fit))
-            return True
-        return False
+        return self._counted == DECIDE_AT
+
+    def decide(self, workers: int, batch_bytes: int) -> None:
+        """Size messages from the timing since ``DECIDE_FROM`` and the bytes of the batch
+        just handed out (``count`` said when)."""
+        per_batch = (perf_counter() - self._started) / (DECIDE_AT - DECIDE_FROM)
+        self.timed = group_size(per_batch, workers)
+        self.fit(batch_bytes)
+
+    def fit(self, batch_bytes: int) -> bool:
+        """Size messages for batches of ``batch_bytes`` (the latest received): at most the
+        timed size, within ``GROUP_BYTES``. True when the size changed."""
+        fit = GROUP_BYTES // batch_bytes if batch_bytes else MAX_GROUP
+        size = max(1, min(self.timed, fit))
+        changed = size != self.size
+        self.size = size
+        return changed
 
     def stop(self) -> None:
         """One batch per message from now on (after a worker's death)."""
         self.adapts = False
-        self.size = 1
+        self.size = self.timed = 1
 
     def grow(self, first: Any, schedule: Any, number: int) -> Any:
         """``first`` (a ``Task``) and the epoch's next batches as one ``TaskGroup`` of up to

@@ -4,6 +4,7 @@ See NOTE [ Batch transport ] in ``__init__.py``. ``rebuild`` runs when a ``SlotB
 descriptor is unpickled (by the result queue's reader, or torch's pin-memory thread): it maps
 the region (once per region), wraps it in one buffer object per batch whose finalizer frees
 the row, and makes each array leaf a view of it. No byte of the batch is copied here.
+A descriptor whose row was reclaimed after its worker died rebuilds into ``STALE``.
 """
 
 from __future__ import annotations
@@ -21,11 +22,23 @@ import torch
 
 from fastloader.datasets.collate import plain_values
 from fastloader.loader.transport.groups import Batches
-from fastloader.loader.transport.slots import SlotFile, numpy_dtype
+from fastloader.loader.transport.slots import COLUMNS, READY, SlotFile, numpy_dtype
 
 _registry: dict[int, list[SlotFile]] = {}  # key -> the slot files of one worker pool
 _keys = itertools.count(1)
 _lock = threading.Lock()
+#: held while a row is checked and taken (``rebuild``) or reclaimed (``reclaim_unsent``), so
+#: a reclaimed row is never rebuilt (the pin-memory thread rebuilds while supervision heals)
+rows_lock = threading.Lock()
+
+
+class Stale:
+    """What a descriptor of a reclaimed row rebuilds into: its task was sent again."""
+
+    __slots__ = ()
+
+
+STALE = Stale()
 
 
 def register(files: list[SlotFile]) -> int:
@@ -50,25 +63,40 @@ def unregister(key: int) -> None:
 
 
 def rebuild(
-    key: int, worker: int, row: int, offset: int, capacity: int, layout: bytes, skeleton: Any
+    key: int,
+    worker: int,
+    row: int,
+    offset: int,
+    capacity: int,
+    generation: int,
+    layout: bytes,
+    skeleton: Any,
 ) -> Any:
     """The batch a worker wrote into ``row`` of its slot file, as views of the region.
-    ``layout`` is the pickled tuple of ``(kind, dtype, shape, offset, nbytes)`` per leaf."""
+    ``layout`` is the pickled tuple of ``(kind, dtype, shape, offset, nbytes)`` per leaf;
+    ``STALE`` when the row no longer holds that batch (reclaimed after its worker died)."""
     files = _registry.get(key)
     if files is None:
         raise RuntimeError("fastloader: a batch from a DataLoader whose workers were shut down")
     slots = files[worker]
-    region = slots.region(row, offset, capacity)
     entries = _layouts.get(layout)
     if entries is None:
         entries = _unpickled_layout(layout)
-    owner = (ctypes.c_ubyte * entries[0]).from_buffer(region)
+    words, at = slots.words, row * COLUMNS  # (state, offset, capacity, generation)
+    with rows_lock:
+        if words[at] != READY or words[at + 3] != generation:
+            return STALE
+        region = slots.region(row, offset, capacity)
+        owner = (ctypes.c_ubyte * entries[0]).from_buffer(region)
+        slots.live[row] = (ctypes.addressof(owner), entries[0])
     # NOTE [ Batch transport ]: slot lifetime. Only this process frees the row: a forked
     # child's copy of the batch dying says nothing about this process's.
     weakref.finalize(owner, _free, slots, row, os.getpid()).atexit = False
     arrays = [_view(owner, entry) for entry in entries[1]]
     if type(skeleton) is Batches:  # NOTE [ Batches per message ]: one region, several batches
-        return Batches([_fill(item, arrays) for item in skeleton])
+        batches = Batches([_fill(item, arrays) for item in skeleton])
+        batches.nbytes = entries[0]
+        return batches
     return _fill(skeleton, arrays)
 
 
@@ -89,8 +117,31 @@ def _unpickled_layout(pickled: bytes) -> tuple[int, list]:
 
 
 def _free(slots: SlotFile, row: int, pid: int) -> None:
+    # (takes no lock: a collection inside ``rebuild`` may run it while ``rows_lock`` is held)
     if os.getpid() == pid:
-        slots.free(row)
+        slots.live.pop(row, None)
+        if not slots.pinned or row not in slots.pinned:
+            slots.free(row)
+
+
+def reclaim_unsent(key: int, worker: int) -> int:
+    """Free the rows of dead worker ``worker`` that are READY but hold no batch of this
+    process: their descriptors were never sent, or are still in the pipe and will rebuild as
+    ``STALE`` (their tasks are sent again). Returns how many were freed."""
+    files = _registry.get(key)
+    if files is None:
+        return 0
+    slots = files[worker]
+    with rows_lock:
+        states = slots.table[:, 0]
+        unsent = [
+            row
+            for row in map(int, (states == READY).nonzero()[0])
+            if row not in slots.live and row not in slots.pinned
+        ]
+        for row in unsent:
+            slots.free(row)
+    return len(unsent)
 
 
 def _view(owner: Any, entry: tuple) -> Any:

@@ -9,6 +9,7 @@ array (strings, numbers in lists, user objects) stays in a small skeleton pickle
 
 from __future__ import annotations
 
+import itertools
 import pickle
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +21,13 @@ from torch.utils.data import get_worker_info
 
 from fastloader.datasets.collate import plain_values, stack_arrays
 from fastloader.loader.transport import receive
-from fastloader.loader.transport.groups import Batches, LoadedGroup, batch_error
+from fastloader.loader.transport.groups import (
+    GROUP_BYTES,
+    Batches,
+    LoadedGroup,
+    Parts,
+    batch_error,
+)
 from fastloader.loader.transport.receive import Leaf
 from fastloader.loader.transport.slots import (
     FREE,
@@ -158,7 +165,7 @@ class SlotCollate:
         return self._send(out, leaves, skeleton)
 
     def _group(self, loaded: LoadedGroup) -> Any:
-        # every batch of the group in one region; each batch fails alone
+        # every batch of the group in one region of at most GROUP_BYTES; each batch fails alone
         outs = Batches()
         for samples in loaded:
             if not isinstance(samples, ExceptionWrapper):
@@ -168,21 +175,45 @@ class SlotCollate:
                     samples = _error_here()
             outs.append(samples)
         leaves: list[Any] = []
-        skeleton = Batches(
-            out if isinstance(out, ExceptionWrapper) else _flatten(out, leaves) for out in outs
-        )
+        ends = []  # the number of leaves up to each batch's end
+        skeleton = Batches()
+        for out in outs:
+            skeleton.append(out if isinstance(out, ExceptionWrapper) else _flatten(out, leaves))
+            ends.append(len(leaves))
         if not leaves:
             return outs
+        layout, size = _layout(leaves)
         try:
-            return self._send(outs, leaves, skeleton)
-        except Exception:  # (the row is free again): every batch of the group raises it
+            if size <= GROUP_BYTES:
+                return self._send(outs, leaves, skeleton, (layout, size))
+            return self._parts(outs, _cut(layout, size, ends))
+        except Exception:  # (the rows are free again): every batch of the group raises it
             return Batches([_error_here()] * len(outs))
 
-    def _send(self, out: Any, leaves: list[Any], skeleton: Any) -> Any:
+    def _parts(self, outs: Batches, cuts: list[int]) -> Parts:
+        # NOTE [ Batches per message ], "Memory": batches grown since the group was sized
+        parts = Parts()
+        try:
+            for start, stop in itertools.pairwise([0, *cuts]):
+                leaves: list[Any] = []
+                skeleton = Batches(
+                    out if isinstance(out, ExceptionWrapper) else _flatten(out, leaves)
+                    for out in outs[start:stop]
+                )
+                chunk = Batches(outs[start:stop])
+                parts.append(self._send(chunk, leaves, skeleton) if leaves else chunk)
+        except BaseException:
+            for part in parts:  # sent nowhere: their rows are this worker's again
+                if type(part) is SlotBatch:
+                    self._slots.table[part.args[2], 0] = FREE
+            raise
+        return parts
+
+    def _send(self, out: Any, leaves: list[Any], skeleton: Any, sized: tuple | None = None) -> Any:
         slots = self._my_slots()
         if slots is None:
             return _materialized(out)
-        layout, size = _layout(leaves)
+        layout, size = _layout(leaves) if sized is None else sized
         row = acquire(slots, size)
         if row is None:  # every region is held (a user keeps many batches): the old way
             return _materialized(out)
@@ -196,7 +227,10 @@ class SlotCollate:
         described = self._described.get(layout)
         if described is None:
             described = _remember(self._described, layout, pickle.dumps(layout))
-        return SlotBatch(self.key, self._worker, row, offset, capacity, described, skeleton)
+        generation = int(slots.table[row, 3])
+        return SlotBatch(
+            self.key, self._worker, row, offset, capacity, generation, described, skeleton
+        )
 
     def _my_slots(self) -> SlotFile | None:
         if self._slots is None:
@@ -225,12 +259,7 @@ class SlotBatch:
 def _flatten(value: Any, leaves: list[Any]) -> Any:
     """``value`` with each array leaf replaced by a ``Leaf`` (appended to ``leaves``)."""
     kind = type(value)
-    if kind is torch.Tensor:
-        if value.layout != torch.strided or value.device.type != "cpu" or _special(value):
-            return value
-        leaves.append(value)
-        return Leaf(len(leaves) - 1)
-    if kind in DEFERRED or (kind is np.ndarray and not value.dtype.hasobject):
+    if _is_leaf(value, kind):
         leaves.append(value)
         return Leaf(len(leaves) - 1)
     if kind is list or kind is tuple:
@@ -243,6 +272,27 @@ def _flatten(value: Any, leaves: list[Any]) -> Any:
     if isinstance(value, tuple) and hasattr(kind, "_fields"):  # a namedtuple
         return kind(*(_flatten(item, leaves) for item in value))
     return value
+
+
+def _is_leaf(value: Any, kind: type) -> bool:
+    # what goes into the slot: plain CPU tensors, arrays of a plain dtype, Stack and Gather
+    if kind is torch.Tensor:
+        return value.layout == torch.strided and value.device.type == "cpu" and not _special(value)
+    return kind in DEFERRED or (kind is np.ndarray and not value.dtype.hasobject)
+
+
+def _cut(layout: tuple, size: int, ends: list[int]) -> list[int]:
+    """Where a group's batches are cut into regions of at most ``GROUP_BYTES`` (a batch
+    bigger than that alone): the index after each region's last batch."""
+    starts = [entry[3] for entry in layout] + [size]
+    cuts = []
+    begun = 0  # the offset where the current region begins
+    for number, end in enumerate(ends):
+        if number and starts[end] - begun > GROUP_BYTES:  # (the region's first batch stays)
+            cuts.append(number)
+            begun = starts[ends[number - 1]]
+    cuts.append(len(ends))
+    return cuts
 
 
 def _special(tensor: torch.Tensor) -> bool:

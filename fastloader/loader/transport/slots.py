@@ -6,10 +6,13 @@ maps them as tensors and frees them (``receive.py``). See NOTE [ Batch transport
 conversions both sides make).
 
 A file holds a header page (the table) and regions after it. Table row ``i`` is
-``(state, offset, capacity)``; ``state`` moves FREE -> WRITING -> READY in the worker and
-READY -> FREE in the main process (when no tensor points into the region any more), so each
-side writes only the transitions it owns and no lock is needed. ``capacity == 0`` marks a row
-that holds no region yet.
+``(state, offset, capacity, generation)``; ``state`` moves FREE -> WRITING -> READY in the
+worker and READY -> FREE in the main process (when no tensor points into the region any more,
+or when supervision reclaims the row of a dead worker that never sent it), so each side writes
+only the transitions it owns and no lock is shared between processes. ``capacity == 0`` marks a
+row that holds no region yet; ``generation`` counts the row's batches (a descriptor names it, so
+a descriptor of a reclaimed row is known stale: NOTE [ Batch transport ], "Writing, and the
+commit").
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import torch
 FREE, WRITING, READY = 0, 1, 2
 ROWS = 64  # regions per worker slot; past that, batches travel the old way (pickled)
 HEADER_BYTES = mmap.PAGESIZE
-_END = ROWS * 3  # the int64 after the table: where the next region starts
+COLUMNS = 4  # state, offset, capacity, generation
+_END = ROWS * COLUMNS  # the int64 after the table: where the next region starts
 PAGE = mmap.PAGESIZE
 
 
@@ -54,12 +58,19 @@ class SlotFile:
             os.ftruncate(fd, HEADER_BYTES)
         self._header = mmap.mmap(fd, HEADER_BYTES)
         words = np.frombuffer(self._header, dtype=np.int64, count=_END + 1)
-        self.table = words[:_END].reshape(ROWS, 3)  # rows of (state, offset, capacity)
+        # rows of (state, offset, capacity, generation)
+        self.table = words[:_END].reshape(ROWS, COLUMNS)
+        # the same words for reading one at a time (a third of indexing ``table``)
+        self.words = memoryview(self._header).cast("q")
         self._end = words[_END:]
         if create:
             self._end[0] = HEADER_BYTES
         self._maps: dict[int, tuple[int, int, mmap.mmap]] = {}  # row -> offset, capacity, map
         self.hint = 0  # the row ``acquire`` tries first (worker)
+        # main process: row -> (address, bytes used) of the batches that hold it (receive.rebuild);
+        # rows kept READY for good (a forked child that may still read them: forks.py)
+        self.live: dict[int, tuple[int, int]] = {}
+        self.pinned: set[int] = set()
 
     @classmethod
     def create(cls) -> SlotFile:
@@ -131,10 +142,14 @@ def acquire(slots: SlotFile, size: int) -> int | None:
         fits = free[capacities[free] >= size]
         if fits.size:
             row = int(fits[np.argmin(capacities[fits])])
-        else:  # grow: a never used row first, else the smallest free one gets a bigger region
-            row = int(free[np.argmin(capacities[free])])
+        else:  # grow: the biggest free region too small is handed back for a bigger one;
+            # a row never used only when every region is in use (batches that grow would
+            # otherwise leave a region of each size behind: ROWS regions)
+            placed = free[capacities[free] > 0]
+            row = int(placed[np.argmax(capacities[placed])]) if placed.size else int(free[0])
             slots.place(row, round_up(size + size // 8))
     table[row, 0] = WRITING
+    table[row, 3] += 1  # a new batch in this row: a descriptor of the last one is stale
     slots.hint = row + 1 if row + 1 < ROWS and table[row + 1, 2] else 0
     return row
 
