@@ -270,7 +270,11 @@ def test_random_transforms_are_seeded_per_sample_for_any_worker_count(pose):
 
 def test_pack_arguments_on_a_users_file_say_what_it_is(pose):
     with pytest.raises(TypeError, match="not a fastloader pack but a user's own file.*decode="):
-        HDF5Dataset(pose, decode="numpy")
+        HDF5Dataset(pose, decode="pil")
+    with pytest.raises(TypeError, match="user's own file.*verify_checksums="):
+        HDF5Dataset(pose, verify_checksums=False)
+    # decode="numpy" is what a user's file gives, and what its pack gives by default
+    assert isinstance(HDF5Dataset(pose, decode="numpy")[0]["image"], np.ndarray)
 
 
 @pytest.mark.parametrize("bad", [POSE_COUNT, -POSE_COUNT - 1])
