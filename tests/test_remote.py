@@ -63,13 +63,13 @@ def _ys(batch) -> list[int]:
 
 
 def test_packed_to_the_server_every_sample_reads_back_equal(url, tmp_path):
-    dataset = ShardedDataset(url, cache_dir=tmp_path)
+    dataset = ShardedDataset(url, cache_dir=tmp_path, cache_limit="64MB")  # it holds them all
     assert len(dataset) == 300
     assert [int(dataset[i]["x"][0, 0]) for i in range(300)] == list(range(300))
     assert dataset.cache.stats.downloads == len(dataset.manifest.shards)
     stats = dataset.cache_stats()  # every process of the node: here one
     assert stats.bytes_downloaded == dataset.manifest.size_bytes and stats.hit_rate < 1
-    again = ShardedDataset(url, cache_dir=tmp_path)  # the node's cache: no download
+    again = ShardedDataset(url, cache_dir=tmp_path, cache_limit="64MB")  # the node's cache
     assert [int(s["y"]) for s in again.__getitems__(list(range(300)))] == list(range(300))
     assert again.cache.stats.downloads == 0
 
