@@ -172,3 +172,50 @@ def test_verify_names_a_corrupted_shard_and_fails(sharded, capsys):
     assert cli.main(["--verify", str(folder)]) == 1
     err = capsys.readouterr().err
     assert manifest.shards[2].name in err and "checksum" in err
+
+
+class Named(Fields):
+    """Fields plus a text field: a merged batch's list column."""
+
+    def __getitem__(self, i: int) -> dict:
+        return {**super().__getitem__(i), "name": f"s{i}"}
+
+
+class Ragged(Named):
+    """Plus a ragged field, stored fixed in a shard whose values happen to share a length."""
+
+    def __getitem__(self, i: int) -> dict:
+        return {**super().__getitem__(i), "r": np.arange(i // 7 % 3, dtype=np.int16)}
+
+
+def test_a_batch_over_many_shards_reads_by_columns_as_the_samples_collate(tmp_path):
+    # NOTE [ A sharded batch read by columns ]: the same batch as the samples, in batch order
+    import torch
+
+    from fastloader import DataLoader, ShardedDataset
+    from fastloader.datasets.collate import default_collate
+
+    pack(Named(), tmp_path / "named", shard_size="20KB", workers=0)
+    pack(Ragged(), tmp_path / "ragged", shard_size="20KB", workers=0)
+    order = np.random.default_rng(0).permutation(300)[:64].tolist()
+    ragged = ShardedDataset(tmp_path / "ragged")
+    assert len({ragged.shard_of(i) for i in order}) > 3
+    merged = ragged.read_batch_columns(order).samples()
+    for sample, index in zip(merged, order, strict=True):
+        expected = ragged[index]
+        assert list(sample) == list(expected) == ["x", "y", "name", "r"]
+        assert all(np.array_equal(sample[k], expected[k]) for k in sample)
+    dataset = ShardedDataset(tmp_path / "named")
+    batch, expected = (
+        default_collate(dataset.read_batch_columns(order)),
+        default_collate([dataset[i] for i in order]),
+    )
+    assert torch.equal(batch["x"], expected["x"]) and torch.equal(batch["y"], expected["y"])
+    assert batch["name"] == expected["name"] == [f"s{i}" for i in order]
+    loader = DataLoader(dataset, batch_size=64, num_workers=1, shuffle=True, seed=0)
+    with loader:
+        seen = list(loader)
+    ys = torch.cat([b["y"] for b in seen])
+    assert sorted(ys.tolist()) == list(range(300)) and ys.tolist() != list(range(300))
+    assert all(torch.equal(b["x"][:, 0, 0], b["y"].int()) for b in seen)
+    assert [n for b in seen for n in b["name"]] == [f"s{i}" for i in ys.tolist()]

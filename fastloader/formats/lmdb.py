@@ -17,7 +17,7 @@ import os
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import lmdb
 import numpy as np
@@ -46,17 +46,18 @@ _COMMIT_BYTES = 64 << 20
 
 
 class _Env(NamedTuple):
-    """An open environment, the file it maps, and where the mapping starts (None: unknown)."""
+    """An open environment and the file it maps."""
 
     env: lmdb.Environment
     identity: tuple[int, int, int, int]
-    start: int | None
     size: int
     file: mmap.mmap  # our own read-only map of the file, to check nodes before LMDB reads them
     view: memoryview  # of ``file``: records are read from it (NOTE [ Record spans ])
     psize: int
     root: int
-    spans: dict[str, RecordSpans]  # "records": made at the first record read
+    # "records": RecordSpans made at the first record read; "map_start": LMDB's map address
+    # (None: unknown), found at the first value py-lmdb returns (NOTE [ Finding LMDB's map ])
+    spans: dict[str, Any]
 
     def close(self) -> None:
         self.env.close()
@@ -80,8 +81,8 @@ class _Env(NamedTuple):
 # 2. the map is only as large as the file (map_size = file size; LMDB raises it only to its
 #    last page, already checked to be inside the file);
 # 3. every value LMDB returns is checked to lie inside [mapping start, start + file size)
-#    before anything reads it (the start comes from /proc/self/maps; elsewhere only the length
-#    is checked against the file size).
+#    before anything reads it (the start comes from /proc/self/maps, NOTE [ Finding LMDB's
+#    map ]; elsewhere only the length is checked against the file size).
 #    Before that, the path to the value is walked in our own read-only map of the file
 #    (lmdb_checks.value_lies_in_file): page numbers, node offsets, the value's size and its
 #    overflow page, all against the file. This must come first: py-lmdb reads one byte of
@@ -155,8 +156,6 @@ def _open_environment(path: Path, identity: tuple[int, int, int, int]) -> _Env:
             raise PackError(f"{path}: truncated LMDB file ({size} of {needed} bytes)")
         if file_identity(path) != identity:
             raise PackError(f"{path}: the file changed while it was being opened")
-        start = mapping_start(path, identity, env.info()["map_size"])
-        # after mapping_start, which looks for LMDB's map as the only one of this length
         with open(path, "rb") as opened:
             file = mmap.mmap(opened.fileno(), size, access=mmap.ACCESS_READ)
     except lmdb.Error as error:
@@ -165,7 +164,7 @@ def _open_environment(path: Path, identity: tuple[int, int, int, int]) -> _Env:
     except BaseException:
         env.close()
         raise
-    return _Env(env, identity, start, size, file, memoryview(file), psize, root, {})
+    return _Env(env, identity, size, file, memoryview(file), psize, root, {})
 
 
 _environments = _Environments()
@@ -201,12 +200,12 @@ class LMDBPack(PackFile):
             raise PackError(f"{self.path}: damaged LMDB file reading {what} ({error})") from None
         if value is None:
             return None
-        length = len(value)
-        if handle.start is None:
+        length, start = len(value), _map_start(self.path, handle)
+        if start is None:
             inside = length <= handle.size
         else:
-            address = np.frombuffer(value, dtype=np.uint8).__array_interface__["data"][0]
-            inside = handle.start <= address and address + length <= handle.start + handle.size
+            address = _address(value)
+            inside = start <= address and address + length <= start + handle.size
         if not inside:
             raise PackError(f"{self.path}: damaged LMDB file ({what} lies outside the file)")
         return value
@@ -336,27 +335,63 @@ class LMDBPack(PackFile):
         return results
 
 
-def mapping_start(path: Path, identity: tuple[int, int, int, int], map_size: int) -> int | None:
+def _address(buffer: Any) -> int:
+    return np.frombuffer(buffer, dtype=np.uint8).__array_interface__["data"][0]
+
+
+def _map_start(path: Path, handle: _Env) -> int | None:
+    """LMDB's map address for ``handle`` (step 3 of NOTE [ LMDB values checked against the
+    file ]), found once per handle, at its first value (NOTE [ Finding LMDB's map ])."""
+    found = handle.spans.get("map_start", _UNKNOWN)
+    if found is _UNKNOWN:
+        map_size = handle.env.info()["map_size"]
+        found = mapping_start(path, handle.identity, map_size, besides=_address(handle.view))
+        handle.spans["map_start"] = found
+    return found
+
+
+_UNKNOWN = object()
+
+
+def mapping_start(
+    path: Path, identity: tuple[int, int, int, int], map_size: int, besides: int | None = None
+) -> int | None:
     """The address at which this process maps ``path`` (LMDB's map), or None if unknown.
 
     Read from ``/proc/self/maps`` (Linux): the mapping of this inode at offset 0 whose length
-    is the map size. None where there is no such file, or the mapping is not found.
+    is the map size, other than the one at ``besides`` (fastloader's own map of the file). None
+    where there is no such file, or not exactly one such mapping.
     """
+    # NOTE [ Finding LMDB's map ]
+    # A process that imported torch (a loader's worker) has hundreds of mappings, a line of
+    # /proc/self/maps each. Parsing every line in Python cost ~3 ms an open (17 ms at load 10),
+    # paid at each open of a pack (twice per pack: its index is read and the handle closed,
+    # then it is opened again to read), so at every shard of a sharded pack a process reads.
+    # Now (1) the text is read as bytes in one call and only the lines that carry this inode
+    # are parsed (a substring search, in C), and (2) it is read only when py-lmdb first hands
+    # back a value (the metadata, labels and source paths: records and column parts are read
+    # from fastloader's own map and need no address), so a handle that reads only records or
+    # columns never reads it. Since fastloader's own map of the file (same inode, offset 0,
+    # same length) exists by then, its address, known exactly, is left out: the rule stays
+    # "the only mapping of this file at offset 0 of the map's length that is not our own".
     length = -(-map_size // _OS_PAGE) * _OS_PAGE
     try:
-        with open("/proc/self/maps") as maps:
-            lines = maps.read().splitlines()
+        with open("/proc/self/maps", "rb") as maps:
+            text = maps.read()
     except OSError:
         return None
     found = []
-    for line in lines:
-        fields = line.split(maxsplit=5)
-        if len(fields) < 6 or int(fields[2], 16) != 0 or int(fields[4]) != identity[1]:
-            continue
-        start, end = (int(value, 16) for value in fields[0].split("-"))
-        if end - start == length:
+    needle = b" %d " % identity[1]  # "start-end perms offset device inode path"
+    at = text.find(needle)
+    while at >= 0:
+        fields = text[text.rfind(b"\n", 0, at) + 1 : at].split()
+        at = text.find(needle, at + 1)
+        if len(fields) != 4 or int(fields[2], 16) != 0:
+            continue  # another inode's line that holds these digits in its path, or offset
+        start, end = (int(value, 16) for value in fields[0].split(b"-"))
+        if end - start == length and start != besides:
             found.append(start)
-    return found[-1] if len(found) == 1 else None
+    return found[0] if len(found) == 1 else None
 
 
 class LMDBWriter(PackWriter):
