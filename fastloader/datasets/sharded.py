@@ -16,6 +16,7 @@ own client (NOTE [ One client per process ] in shards/s3.py).
 from __future__ import annotations
 
 import os
+from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,7 +27,7 @@ from torch.utils.data import Dataset
 
 from fastloader.datasets.columns import ColumnBatch
 from fastloader.datasets.packs import open_pack
-from fastloader.formats.mapped_rows import gathered
+from fastloader.datasets.sharded_columns import column_plan, read_shard_columns
 from fastloader.formats.records import PackError
 from fastloader.shards.cache import ShardCache, cache_minimum
 from fastloader.shards.manifest import Manifest
@@ -81,6 +82,7 @@ class ShardedDataset(Dataset):
         self.lanes, self.window, self.ahead = lanes, window, ahead
         self.shard_counts = np.array([s.count for s in self.manifest.shards], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(self.shard_counts)])
+        self._start_list = self._starts.tolist()
         self.classes = list(self.manifest.classes)
         self.pack_options = pack_options
         self.open_shards = open_shards or lanes * window + 1
@@ -126,6 +128,7 @@ class ShardedDataset(Dataset):
             try:
                 pack = open_pack(path, **self.pack_options)
                 pack.shard_inode = os.stat(path).st_ino  # see _forget_evicted
+                pack.shard_columns = column_plan(pack)  # read_batch_columns
                 break
             except FileNotFoundError:  # evicted between its download and this open: again
                 if self.cache is None or attempt == 2:
@@ -164,57 +167,56 @@ class ShardedDataset(Dataset):
     ) -> list[Any]:
         """The samples at ``indices``, each shard's read in one call; ``before_each(index)``
         runs before each sample loads (the loader seeds it there, by its global index)."""
-        wanted, groups = self._grouped(indices)
-        out: list[Any] = [None] * len(wanted)
-        for number, slots in groups:
+        out: list[Any] = [None] * len(indices)
+        for number, rows, slots in self._grouped_rows(indices):
             hook = None
             if before_each is not None:
-                pending = iter(wanted[slots].tolist())
+                start = self._start_list[number]
+                pending = iter([start + row for row in rows])
                 hook = lambda _, g=pending: before_each(next(g))  # noqa: E731 - its global index
-            local = (wanted[slots] - self._starts[number]).tolist()
-            samples = self._shard(number).getitems_with(local, hook)
-            for k, sample in zip(slots.tolist(), samples, strict=True):
-                out[k] = sample
+            samples = self._shard(number).getitems_with(rows, hook)
+            for slot, sample in zip(slots, samples, strict=True):
+                out[slot] = sample
         return out
 
     def read_batch_columns(self, indices: Sequence[int]) -> ColumnBatch | None:
         """The samples ``indices`` as one ``ColumnBatch`` (NOTE [ Batches read by columns ] in
-        datasets/columns.py): each shard's rows read by columns, then put in the batch's order
-        (NOTE [ A sharded batch read by columns ]); None where a shard's pack says its samples
-        need per-sample work. Raises as ``__getitems__``."""
-        wanted, groups = self._grouped(indices)
-        parts = []
-        for number, slots in groups:
-            local = (wanted[slots] - self._starts[number]).tolist()
-            part = self._shard(number).read_batch_columns(local)
-            if part is None:
+        datasets/columns.py), read by columns from each shard and put in the batch's order
+        (NOTE [ A sharded batch read by columns ] in sharded_columns.py); None where the
+        shards' samples need per-sample work. Raises as ``__getitems__``."""
+        groups = self._grouped_rows(indices)
+        plan = None
+        for at, (number, rows, slots) in enumerate(groups):
+            pack = self._shard(number)
+            if pack.shard_columns is None:
                 return None
-            parts.append((slots, part))
-        if len(parts) == 1:  # one shard: its batch, in the batch's order already
-            return parts[0][1]
-        return merge_column_batches(parts, len(wanted)) if parts else None
+            plan = pack.shard_columns if plan is None else plan
+            groups[at] = (pack, rows, slots)
+        return None if plan is None else read_shard_columns(groups, plan, len(indices))
 
-    def _grouped(self, indices: Sequence[int]) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
-        """``indices`` as an array, and per shard read (in shard order) its number and the
-        batch positions it holds, in batch order; each shard marked used in the cache."""
+    def _grouped_rows(self, indices: Sequence[int]) -> list[tuple[Any, list[int], list[int]]]:
+        """Per shard read (in the order first read): its number, its rows and their batch
+        positions, in batch order; each shard marked used in the cache (NOTE [ A sharded batch
+        read by columns ])."""
         self._reads += 1
         if self._reads % 16 == 0:
             self._forget_evicted()
-        wanted = np.asarray(indices, dtype=np.int64).reshape(-1)
-        if not len(wanted):
-            return wanted, []
-        if wanted.min() < 0 or wanted.max() >= len(self):
-            bad = wanted[(wanted < 0) | (wanted >= len(self))][0]
+        wanted = [int(i) for i in indices]
+        if wanted and (min(wanted) < 0 or max(wanted) >= len(self)):
+            bad = next(i for i in wanted if not 0 <= i < len(self))
             raise IndexError(f"{self.url}: index {bad} out of range ({len(self)} samples)")
-        shards = np.searchsorted(self._starts, wanted, side="right") - 1
-        by_shard = np.argsort(shards, kind="stable")
-        groups = []
-        for slots in np.split(by_shard, np.flatnonzero(np.diff(shards[by_shard])) + 1):
-            number = int(shards[slots[0]])
-            if self.cache is not None:
+        starts, groups = self._start_list, {}
+        for slot, index in enumerate(wanted):
+            number = bisect_right(starts, index) - 1
+            group = groups.get(number)
+            if group is None:
+                group = groups[number] = (number, [], [])
+            group[1].append(index - starts[number])
+            group[2].append(slot)
+        if self.cache is not None:
+            for number in groups:
                 self.cache.touch(self.manifest.shards[number])
-            groups.append((number, slots))
-        return wanted, groups
+        return list(groups.values())
 
     def plan_reads(self, indices: np.ndarray) -> None:
         """The indices this rank reads next, in order: shards are downloaded ahead of them."""
@@ -247,46 +249,3 @@ class ShardedDataset(Dataset):
             f"ShardedDataset({self.url!r}, {len(self)} samples in "
             f"{len(self.manifest.shards)} shards{where})"
         )
-
-
-# NOTE [ A sharded batch read by columns ]
-# A shuffled batch of 64 reads from up to 64 shards. Read sample by sample (``getitems_with``,
-# each decoded into a dict, then stacked by the collate) it cost ~6x one pack's batch read by
-# columns; so, where no code of the user's runs per sample, each shard's rows are read by
-# columns as one pack's are (its blocks' checksums verified), and each column is put together
-# in the batch's order: a fixed field gathered from each shard's map straight into one array
-# (one copy more than one pack's ``MappedRows``, which a worker gathers into its slot), a
-# ragged or text field as a list. The batch equals ``default_collate`` of the samples, as for a
-# pack. A column stored fixed in one shard and ragged in another (a ragged field whose values in
-# one shard happen to share a shape), or whose shards disagree in shape or dtype, is merged as
-# the list of its rows, which the collate treats as it treats the samples' values.
-
-
-def merge_column_batches(parts: list[tuple[np.ndarray, ColumnBatch]], length: int) -> ColumnBatch:
-    """One ``ColumnBatch`` of ``length`` samples from ``(batch positions, part)`` per shard
-    (NOTE [ A sharded batch read by columns ])."""
-    merged = {
-        name: _merged_column([(slots, part.columns[name]) for slots, part in parts], length)
-        for name in parts[0][1].columns
-    }
-    return ColumnBatch(merged, length)
-
-
-def _merged_column(pieces: list[tuple[np.ndarray, Any]], length: int) -> Any:
-    first = pieces[0][1]
-    if not isinstance(first, list):
-        shape, dtype = first.shape[1:], first.dtype
-        same = all(
-            not isinstance(piece, list) and piece.shape[1:] == shape and piece.dtype == dtype
-            for _, piece in pieces
-        )
-        if same:
-            out = np.empty((length, *shape), dtype=dtype)
-            for slots, piece in pieces:
-                out[slots] = gathered(piece)
-            return out
-    values: list[Any] = [None] * length
-    for slots, piece in pieces:
-        for slot, value in zip(slots.tolist(), list(gathered(piece)), strict=True):
-            values[slot] = value
-    return values
