@@ -128,7 +128,7 @@ class ShardedDataset(Dataset):
             try:
                 pack = open_pack(path, **self.pack_options)
                 pack.shard_inode = os.stat(path).st_ino  # see _forget_evicted
-                pack.shard_columns = column_plan(pack)  # read_batch_columns
+                pack.shard_columns = column_plan(pack)  # (plan, table): read_batch_columns
                 break
             except FileNotFoundError:  # evicted between its download and this open: again
                 if self.cache is None or attempt == 2:
@@ -185,13 +185,19 @@ class ShardedDataset(Dataset):
         (NOTE [ A sharded batch read by columns ] in sharded_columns.py); None where the
         shards' samples need per-sample work. Raises as ``__getitems__``."""
         groups = self._grouped_rows(indices)
-        plan = None
+        if self._pid != os.getpid():
+            self._reset()  # once per batch, not per shard: a system call each
+        opened, plan = self._open, None
         for at, (number, rows, slots) in enumerate(groups):
-            pack = self._shard(number)
+            pack = opened.get(number)
+            if pack is None:
+                pack = self._shard(number)
+            else:
+                opened.move_to_end(number)
             if pack.shard_columns is None:
                 return None
-            plan = pack.shard_columns if plan is None else plan
-            groups[at] = (pack, rows, slots)
+            plan = pack.shard_columns[0]
+            groups[at] = (pack.shard_columns[1], pack.verify_checksums, rows, slots)
         return None if plan is None else read_shard_columns(groups, plan, len(indices))
 
     def _grouped_rows(self, indices: Sequence[int]) -> list[tuple[Any, list[int], list[int]]]:

@@ -30,25 +30,25 @@ __all__ = ["column_plan", "read_shard_columns"]
 # or dtype, is merged as the list of its rows, which the collate treats as the samples' values.
 
 
-def column_plan(pack: Any) -> list[tuple[str, bool]] | None:
-    """A shard's fields as read by columns (name, CHW image), or None where its samples need
-    per-sample work: the plan ``read_columns`` makes for one pack."""
+def column_plan(pack: Any) -> tuple[list[tuple[str, bool]], Any] | None:
+    """A shard's fields as read by columns (name, CHW image) and its column table (for as long
+    as the shard is open in this process), or None where its samples need per-sample work: the
+    plan ``read_columns`` makes for one pack."""
     read = getattr(pack, "read_batch_columns", None)
     if not callable(read) or not len(pack) or read([0]) is None:  # the pack's own answer
         return None
-    return _plan_columns(pack)
+    return _plan_columns(pack), pack.column_table()
 
 
 def read_shard_columns(
-    groups: list[tuple[Any, list[int], list[int]]], plan: list[tuple[str, bool]], length: int
+    groups: list[tuple[Any, bool, list[int], list[int]]], plan: list[tuple[str, bool]], length: int
 ) -> ColumnBatch:
-    """The batch from ``(open shard, its rows, their batch positions)`` per shard, each shard's
-    plan ``plan`` (NOTE [ A sharded batch read by columns ])."""
+    """The batch from ``(column table, verify checksums, rows, their batch positions)`` per
+    shard, read as ``plan`` says (NOTE [ A sharded batch read by columns ])."""
     pieces = []
-    for pack, rows, slots in groups:
-        table = pack.column_table()
+    for table, verify, rows, slots in groups:
         at = np.array(rows, dtype=np.int64)
-        if pack.verify_checksums:
+        if verify:
             table.check_rows(at)
         pieces.append((slots, [table.batch(number, at) for number in range(len(plan))]))
     batch = {}
