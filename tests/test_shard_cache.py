@@ -26,13 +26,13 @@ class Fields:
         return 200
 
     def __getitem__(self, i: int) -> dict:
-        return {"x": np.full((4, 4), i, np.int32), "y": i}
+        return {"x": np.full((16, 16), i, np.int32), "y": i}
 
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     path = tmp_path_factory.mktemp("store") / "train"
-    pack(Fields(), path, shard_size="12KB", workers=0)
+    pack(Fields(), path, shard_size="48KB", workers=0)  # 13 shards
     return path
 
 

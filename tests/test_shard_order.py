@@ -22,13 +22,13 @@ class Fields:
         return self.n
 
     def __getitem__(self, i: int) -> dict:
-        return {"x": np.full((4, 4), i, np.int32), "y": i}
+        return {"x": np.full((16, 16), i, np.int32), "y": i}
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     path = tmp_path_factory.mktemp("sharded") / "train"
-    pack(Fields(400), path, shard_size="12KB", workers=0)
+    pack(Fields(400), path, shard_size="56KB", workers=0)  # 18 shards
     return path
 
 

@@ -30,7 +30,7 @@ class Fields:
 
 @pytest.fixture
 def sharded(tmp_path):
-    summary = pack(Fields(), tmp_path / "out", shard_size="20KB", workers=0)
+    summary = pack(Fields(), tmp_path / "out", shard_size="40KB", workers=0)
     return tmp_path / "out", summary
 
 
@@ -65,7 +65,7 @@ def test_a_packer_that_fails_leaves_no_manifest_so_nothing_opens(tmp_path):
             return super().__getitem__(i)
 
     with pytest.raises(RuntimeError, match="source broke"):
-        pack(Breaks(), tmp_path / "out", shard_size="20KB", workers=0)
+        pack(Breaks(), tmp_path / "out", shard_size="40KB", workers=0)
     assert any((tmp_path / "out").glob("shard-*"))  # shards were written ...
     with pytest.raises(FileNotFoundError, match="no manifest"):
         read_manifest(LocalStore(tmp_path / "out"))  # ... but the pack does not open
@@ -74,8 +74,8 @@ def test_a_packer_that_fails_leaves_no_manifest_so_nothing_opens(tmp_path):
 def test_overwriting_deletes_the_old_manifest_first_and_refuses_without_overwrite(sharded):
     folder, _ = sharded
     with pytest.raises(FileExistsError, match="already a sharded pack"):
-        pack(Fields(), folder, shard_size="20KB", workers=0)
-    pack(Fields(50), folder, shard_size="20KB", workers=0, overwrite=True)
+        pack(Fields(), folder, shard_size="40KB", workers=0)
+    pack(Fields(50), folder, shard_size="40KB", workers=0, overwrite=True)
     assert read_manifest(LocalStore(folder)).count == 50
 
 
@@ -195,8 +195,8 @@ def test_a_batch_over_many_shards_reads_by_columns_as_the_samples_collate(tmp_pa
     from fastloader import DataLoader, ShardedDataset
     from fastloader.datasets.collate import default_collate
 
-    pack(Named(), tmp_path / "named", shard_size="20KB", workers=0)
-    pack(Ragged(), tmp_path / "ragged", shard_size="20KB", workers=0)
+    pack(Named(), tmp_path / "named", shard_size="40KB", workers=0)
+    pack(Ragged(), tmp_path / "ragged", shard_size="40KB", workers=0)
     order = np.random.default_rng(0).permutation(300)[:64].tolist()
     ragged = ShardedDataset(tmp_path / "ragged")
     assert len({ragged.shard_of(i) for i in order}) > 3
@@ -219,3 +219,12 @@ def test_a_batch_over_many_shards_reads_by_columns_as_the_samples_collate(tmp_pa
     assert sorted(ys.tolist()) == list(range(300)) and ys.tolist() != list(range(300))
     assert all(torch.equal(b["x"][:, 0, 0], b["y"].int()) for b in seen)
     assert [n for b in seen for n in b["name"]] == [f"s{i}" for i in ys.tolist()]
+
+
+def test_a_target_a_few_times_a_packs_fixed_bytes_still_fills_its_shards(tmp_path):
+    # NOTE [ Sizing shards ]: a column pack's ~32 KB of fixed bytes are not per-sample bytes
+    # (counted as such, a 40 KB target gave shards of one sample)
+    pack(Fields(), tmp_path / "out", shard_size="40KB", workers=0)
+    shards = read_manifest(LocalStore(tmp_path / "out")).shards
+    assert 4 <= len(shards) <= 12 and all(s.count >= 20 for s in shards[:-1])
+    assert all(0.7 * 40_000 <= s.bytes <= 1.25 * 40_000 for s in shards[:-1])

@@ -3,8 +3,8 @@
 NOTE [ Packing shards ]
 Each shard is written by ``pack()`` itself, over a slice of the source (so every check, store
 mode and checksum of a pack holds for a shard), then uploaded (a folder: renamed into it) as
-soon as it is finished. A shard's sample count is chosen from the bytes per sample seen so far
-(the first 64 samples are packed once to measure), so shards come out near ``shard_size``.
+soon as it is finished. A shard's sample count is chosen so that shards come out near
+``shard_size`` (NOTE [ Sizing shards ]).
 Classes and the schema of shard 0 are given to every later shard, so all shards agree. The
 manifest (NOTE [ The shard manifest ] in shards/manifest.py) is written last, atomically; an
 existing one is deleted first when overwriting, so a killed or failed packer never leaves a
@@ -35,7 +35,7 @@ from fastloader.shards.stores import is_url, open_store
 
 __all__ = ["ShardedSummary", "pack_shards"]
 
-_PROBE = 64
+_PROBE = 64  # samples packed to measure (and a quarter of them: NOTE [ Sizing shards ])
 _SUFFIX = {"lmdb": "lmdb", "hdf5": "h5"}
 
 
@@ -144,14 +144,13 @@ def pack_shards(
     state = _Run(pack_one, store, format, dict(options, classes=classes, schema=schema))
     with tempfile.TemporaryDirectory(prefix=".fastloader-shards-", dir=_temp_parent(dst)) as tmp:
         state.tmp = Path(tmp)
-        per_sample = state.probe(dataset, order[:_PROBE], target_size)
+        state.probe(dataset, order[:_PROBE])
         with tqdm(total=count, desc=f"{store.url} shards", unit="sample", disable=not show) as bar:
             start = 0
             while start < count:
-                chunk = order[start : start + max(1, int(target_size // max(per_sample, 1.0)))]
+                chunk = order[start : start + state.samples_per_shard(target_size)]
                 state.write(dataset, chunk)
                 start += len(chunk)
-                per_sample = state.bytes_per_sample()
                 bar.update(len(chunk))
                 bar.set_postfix_str(f"{len(state.shards)} shards written")
     manifest = Manifest(state.shards, format, state.store_mode, state.classes, state.schema)
@@ -202,17 +201,48 @@ class _Run:
         self.schema: dict | None = None
         self.store_mode = options.get("store", "encoded")
         self.tmp = Path(".")
-        self._sizes = [0, 0]  # bytes, samples
+        self._sizes = [0, 0]  # bytes, samples of the shards written
+        self.fixed, self.per_sample = 0.0, 1.0  # a pack's bytes: NOTE [ Sizing shards ]
 
-    def bytes_per_sample(self) -> float:
-        return self._sizes[0] / max(1, self._sizes[1])
+    # NOTE [ Sizing shards ]
+    # A pack's size is fixed bytes (its metadata, LMDB's pages of keys, a column pack's block
+    # tables: ~32 KB for a column pack of any sample size) plus bytes per sample. Taking the
+    # bytes per sample as size / count counted the fixed part as per-sample bytes: a target
+    # near the fixed part gave shards of one sample. So the first 16 and 64 samples are each
+    # packed once (written, measured, deleted): per_sample = (size64 - size16) / 48, fixed =
+    # size16 - 16 x per_sample; a shard holds (target - fixed) / per_sample samples, at least
+    # one (a target below the fixed bytes gives shards of one sample). As shards are written,
+    # per_sample follows their bytes, the fixed part taken off each shard, kept within 2x of the
+    # probe's (LMDB's 4 KB pages make a small shard's bytes jump).
 
-    def probe(self, dataset: Any, indices: np.ndarray, target: int) -> float:
-        """Bytes per sample of a pack of the first samples (written, measured, deleted)."""
+    def samples_per_shard(self, target: int) -> int:
+        """How many samples the next shard holds (NOTE [ Sizing shards ])."""
+        per_sample = self.per_sample
+        if self._sizes[1]:  # within 2x of the probe's: pages make small shards' bytes jump
+            measured = (self._sizes[0] - len(self.shards) * self.fixed) / self._sizes[1]
+            per_sample = min(max(measured, per_sample / 2), per_sample * 2)
+        return max(1, int((target - self.fixed) // max(per_sample, 1.0)))
+
+    def probe(self, dataset: Any, indices: np.ndarray) -> None:
+        """``fixed`` and ``per_sample`` from packs of the first samples (NOTE [ Sizing
+        shards ])."""
+        sizes = [
+            self._probe_size(dataset, part) for part in (indices[: len(indices) // 4], indices)
+        ]
+        few, many = len(indices) // 4, len(indices)
+        if few == 0 or many == few or sizes[1] <= sizes[0]:  # too few samples to tell
+            self.per_sample = sizes[1] / max(1, many)
+            return
+        self.per_sample = (sizes[1] - sizes[0]) / (many - few)
+        self.fixed = max(0.0, sizes[0] - few * self.per_sample)
+
+    def _probe_size(self, dataset: Any, indices: np.ndarray) -> int:
+        if not len(indices):
+            return 0
         path = self.tmp / f"probe.{_SUFFIX[self.format]}"
         summary = self._pack(_Slice(dataset, indices), path)
         os.remove(path)
-        return summary.size_bytes / max(1, summary.count)
+        return summary.size_bytes
 
     def _pack(self, dataset: Any, path: Path) -> Any:
         options = dict(self.options, format=self.format, progress=False, overwrite=True)
