@@ -1,8 +1,11 @@
-"""A loopback HTTP proxy for fault tests: 503 storms, stalls, cut-off bodies, dropped connections.
+"""A loopback HTTP proxy for fault tests: 503 storms, stalls, cut-off bodies, dropped connections;
+and a shaped link for benchmarks: a first-byte latency and a bandwidth per connection.
 
 One request per connection (it answers ``Connection: close``; boto3 opens another). Faults are
 queued per kind and spent one request at a time, only on requests whose path contains
-``match``; everything else is forwarded to the upstream server untouched.
+``match``; everything else is forwarded to the upstream server untouched (``latency`` seconds
+before its first byte, then at most ``bandwidth`` bytes a second, when given). ``ranges``
+records each request line with its ``Range`` header ("" without one).
 """
 
 from __future__ import annotations
@@ -14,13 +17,15 @@ from urllib.parse import urlparse
 
 
 class FaultProxy:
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, latency: float = 0.0, bandwidth: float = 0.0) -> None:
         parsed = urlparse(upstream)
         self.upstream = (parsed.hostname, parsed.port)
         self.server = socket.create_server(("127.0.0.1", 0))
         self.endpoint = f"http://127.0.0.1:{self.server.getsockname()[1]}"
         self.faults: list[tuple[str, str, float]] = []  # (kind, match, argument)
         self.served: list[tuple[str, str]] = []  # (request line, what was done)
+        self.ranges: list[tuple[str, str]] = []  # (request line, its Range header)
+        self.latency, self.bandwidth = latency, bandwidth
         self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._accept, daemon=True)
         self.thread.start()
@@ -58,6 +63,7 @@ class FaultProxy:
             line = request.split(b"\r\n", 1)[0].decode("latin-1")
             fault = self._take(line)
             self.served.append((line, fault[0] if fault else "forwarded"))
+            self.ranges.append((line, _header(request, b"range")))
             if fault and fault[0] == "drop":
                 return
             if fault and fault[0] == "503":
@@ -76,9 +82,23 @@ class FaultProxy:
                 head, _, body = response.partition(b"\r\n\r\n")
                 response = head + b"\r\n\r\n" + body[: int(fault[1])]
             try:
-                client.sendall(response)
+                self._send(client, response)
             except OSError:
                 pass
+
+    def _send(self, client: socket.socket, response: bytes) -> None:
+        """``response``, after ``latency`` and at ``bandwidth`` when shaped."""
+        if self.latency:
+            time.sleep(self.latency)
+        if not self.bandwidth:
+            client.sendall(response)
+            return
+        started, step = time.perf_counter(), 1 << 16
+        for at in range(0, len(response), step):
+            client.sendall(response[at : at + step])
+            ahead = (at + step) / self.bandwidth - (time.perf_counter() - started)
+            if ahead > 0:
+                time.sleep(ahead)
 
     def _forward(self, request: bytes) -> bytes:
         head, _, body = request.partition(b"\r\n\r\n")
@@ -93,6 +113,15 @@ class FaultProxy:
         head, _, body = response.partition(b"\r\n\r\n")
         lines = [h for h in head.split(b"\r\n") if not h.lower().startswith(b"connection:")]
         return b"\r\n".join(lines + [b"Connection: close"]) + b"\r\n\r\n" + body
+
+
+def _header(message: bytes, name: bytes) -> str:
+    head = message.partition(b"\r\n\r\n")[0]
+    for header in head.split(b"\r\n")[1:]:
+        key, _, value = header.partition(b":")
+        if key.strip().lower() == name:
+            return value.strip().decode("latin-1")
+    return ""
 
 
 def _read_message(sock: socket.socket) -> bytes | None:

@@ -20,7 +20,7 @@ class RemoteLike(LocalStore):
     def local_path(self, name):
         return None
 
-    def download(self, name, dest: Path) -> None:
+    def download(self, name, dest: Path, size=None) -> None:
         if self.log is not None:
             with open(self.log, "a") as handle:
                 handle.write(f"{os.getpid()} {name}\n")

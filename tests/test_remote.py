@@ -224,6 +224,23 @@ def test_bodies_cut_off_mid_shard_are_fetched_again_from_where_they_stopped(url,
     assert ranged  # the rest of each cut body came in another request
 
 
+def test_a_large_shard_comes_in_parallel_ranges_and_a_cut_range_resumes(url, proxy, tmp_path):
+    # NOTE [ Parallel ranged GETs ]: 4 ranges of a ~48 KB shard (ranges of at least 4 KB here)
+    dataset = _through(proxy, url, tmp_path, store_options={"ranges": 4, "range_min": 4096})
+    shard = dataset.manifest.shards[1]
+    proxy.add("cut", count=2, match=shard.name, argument=3000)
+    assert [int(s["y"]) for s in dataset.__getitems__(list(range(300)))] == list(range(300))
+    bounds = [shard.bytes * k // 4 for k in range(5)]
+    wanted = [f"bytes={a}-{b - 1}" for a, b in zip(bounds, bounds[1:], strict=False)]
+    asked = [header for line, header in proxy.ranges if shard.name in line]
+    assert set(wanted) <= set(asked) and len(asked) == 4 + 2
+    # each cut range fetched again alone, from where its bytes stopped arriving: not the shard
+    for header in asked:
+        start, last = (int(v) for v in header[len("bytes=") :].split("-"))
+        assert any(a <= start and last == b - 1 for a, b in zip(bounds, bounds[1:], strict=False))
+    assert dataset.cache_stats().downloads == len(dataset.manifest.shards)
+
+
 def test_a_stalled_server_times_out_and_is_retried(url, proxy, tmp_path):
     from fastloader.shards.s3 import S3Store
 
@@ -272,7 +289,7 @@ class Local:
         return 90
 
     def __getitem__(self, i: int) -> dict:
-        return {"x": np.full((6, 6), -i, np.int32), "y": 1000 + i}
+        return {"x": np.full((16, 16), -i, np.int32), "y": 1000 + i}
 
 
 def _mix_loaders(url, cache, world, batch, workers=0):

@@ -53,6 +53,8 @@ class ShardedDataset(Dataset):
         ahead: shards downloaded ahead of the order, per rank.
         open_shards: shards kept open per process (default ``lanes * window + 1``).
         endpoint_url: the S3 endpoint (default ``$AWS_ENDPOINT_URL``, else AWS).
+        store_options: for a URL's client: ``retries``, ``timeout``, ``ranges`` (byte ranges
+            fetched at once for a large shard, default 4) and ``range_min`` (see ``S3Store``).
         **pack_options: for every shard's pack: ``transform``, ``decode``, ...
 
     Raises:
@@ -73,9 +75,12 @@ class ShardedDataset(Dataset):
         ahead: int = 2,
         open_shards: int | None = None,
         endpoint_url: str | None = None,
+        store_options: dict[str, Any] | None = None,
         **pack_options: Any,
     ) -> None:
-        options = {} if endpoint_url is None else {"endpoint_url": endpoint_url}
+        options = dict(store_options or {})
+        if endpoint_url is not None:
+            options["endpoint_url"] = endpoint_url
         self.store = open_store(path_or_url, **options)
         self.url = self.store.url
         self.manifest: Manifest = read_manifest(self.store)

@@ -281,7 +281,7 @@ class ShardCache:
             self._reserve(shard)
             temp = self.folder / temp_name(shard.name)
             try:
-                self.store.download(shard.name, temp)
+                self.store.download(shard.name, temp, size=shard.bytes)  # ranged if large
                 size = temp.stat().st_size
                 digest = file_checksum(temp) if size == shard.bytes else None
                 if digest == shard.xxh3_64:

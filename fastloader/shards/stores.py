@@ -30,7 +30,7 @@ class Store(Protocol):
     url: str
 
     def read_bytes(self, name: str, limit: int) -> bytes: ...
-    def download(self, name: str, dest: Path) -> None: ...
+    def download(self, name: str, dest: Path, size: int | None = None) -> None: ...
     def upload(self, source: Path, name: str) -> None: ...
     def put_bytes(self, name: str, data: bytes) -> None: ...
     def delete(self, name: str) -> None: ...
@@ -66,7 +66,7 @@ class LocalStore:
             raise ValueError(f"{self.path(name)}: larger than {limit} bytes")
         return data
 
-    def download(self, name: str, dest: Path) -> None:
+    def download(self, name: str, dest: Path, size: int | None = None) -> None:
         shutil.copyfile(self.path(name), dest)
 
     def upload(self, source: Path, name: str) -> None:
@@ -121,7 +121,8 @@ def open_store(path_or_url: str | os.PathLike, **options: Any) -> Store:
 
     Args:
         path_or_url: where the shards are.
-        options: for ``s3://``: ``endpoint_url``, ``retries``, ``timeout``
+        options: for ``s3://``: ``endpoint_url``, ``retries``, ``timeout``, ``ranges``,
+            ``range_min``
             (see ``fastloader.shards.s3.S3Store``).
 
     Raises:
