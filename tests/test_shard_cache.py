@@ -170,7 +170,7 @@ def test_a_full_disk_while_downloading_names_the_cache_and_leaves_no_partial(sou
     from fastloader.shards.cache import CacheFullError
 
     class FullDisk(RemoteLike):
-        def download(self, name, dest):
+        def download(self, name, dest, size=None):
             dest.write_bytes(b"half")
             raise OSError(errno.ENOSPC, "No space left on device")
 
