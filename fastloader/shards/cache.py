@@ -25,8 +25,11 @@ One folder per sharded pack, ``CACHE_DIR/<hash of the URL>/``, marked as ours by
   shards still being read, and fetch them again and again.
 * It deletes only what it downloaded: shard names from the manifest (plain names, checked)
   and its own partial files, inside the folder it marked.
-* Download ahead: the main process of each rank runs one thread that downloads the shards its
-  order reads next, at most ``ahead`` shards beyond the shard being read (``plan``).
+* Download ahead: the main process of each rank runs ``ahead`` threads (one at least) that
+  download the shards its order reads next, in the order it reads them, at most ``ahead``
+  shards beyond the shard being read (``plan``): ``ahead`` downloads in flight at once, each
+  of a large shard itself in parallel ranges (NOTE [ Parallel ranged GETs ] in s3.py). How
+  deep: NOTE [ How far ahead ].
 * Counters: each process writes its ``CacheStats`` (readers' hits and misses, seconds readers
   waited, downloads and bytes, evictions) to ``.stats/HOST-PID.json``; ``node_stats`` adds up
   every process's (workers included).
@@ -178,8 +181,9 @@ class ShardCache:
         self._touched: dict[str, float] = {}
         self._plan: tuple[np.ndarray, np.ndarray] | None = None
         self._position = 0
-        self._thread: threading.Thread | None = None
-        self._wake = threading.Event()
+        self._ahead = self._next = 0  # how far ahead; the next shard of the plan to fetch
+        self._threads: list[threading.Thread] = []
+        self._wake = threading.Condition()  # guards _plan, _position, _ahead, _next
         self._stopped = False
         self._pid = os.getpid()
         self.plan_error: BaseException | None = None
@@ -364,39 +368,50 @@ class ShardCache:
     def plan(self, shards: np.ndarray, ahead: int) -> None:
         """This rank reads ``shards[k]`` at its k-th read: download ahead of it."""
         order, first = _first_uses(shards)
-        self._plan, self._ahead, self._position = (order, first), ahead, 0
-        self._generation = getattr(self, "_generation", 0) + 1
-        if self._thread is None or not self._thread.is_alive():
+        with self._wake:
+            self._plan, self._ahead, self._position, self._next = (order, first), ahead, 0, 0
             self._stopped = False
-            self._thread = threading.Thread(target=self._ahead_loop, daemon=True, name="shards")
-            self._thread.start()
-        self._wake.set()
+            self._threads = [thread for thread in self._threads if thread.is_alive()]
+            while len(self._threads) < max(1, ahead):
+                thread = threading.Thread(target=self._ahead_loop, daemon=True, name="shards")
+                thread.start()
+                self._threads.append(thread)
+            self._wake.notify_all()
 
     def reading_at(self, position: int) -> None:
-        self._position = position
-        self._wake.set()
+        with self._wake:
+            self._position = position
+            self._wake.notify_all()
 
     def stop(self) -> None:
-        self._stopped = True
-        self._wake.set()
+        with self._wake:
+            self._stopped = True
+            self._wake.notify_all()
+
+    def _claim(self) -> int | None:
+        """Holding ``_wake``: the next shard of the plan to fetch, if it is not too far ahead."""
+        if self._plan is None:
+            return None
+        order, first = self._plan
+        reading = int(np.searchsorted(first, self._position, side="right"))
+        if self._next >= len(order) or self._next >= reading + self._ahead:
+            return None
+        self._next += 1
+        return int(order[self._next - 1])
 
     def _ahead_loop(self) -> None:
-        generation, k = -1, 0
-        while not self._stopped:
-            if generation != getattr(self, "_generation", 0):
-                generation, k = self._generation, 0
-            order, first = self._plan if self._plan is not None else (np.zeros(0), np.zeros(0))
-            reading = int(np.searchsorted(first, self._position, side="right"))
-            if k >= len(order) or k >= reading + self._ahead:
-                self._wake.wait(0.5)
-                self._wake.clear()
-                continue
+        while True:
+            with self._wake:
+                number = None
+                while not self._stopped and (number := self._claim()) is None:
+                    self._wake.wait(0.5)
+                if self._stopped:
+                    return
             try:
-                self.ensure(self.shards[int(order[k])], reader=False)
+                self.ensure(self.shards[number], reader=False)
             except Exception as error:  # noqa: BLE001 - the reader meets it and raises
                 self.plan_error = error
                 return
-            k += 1
 
 
 def _first_uses(shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
