@@ -190,6 +190,6 @@ class ShardOrderSampler(ElasticDistributedSampler):
             plan(indices.numpy())
         reading = getattr(self.dataset, "reading_at", None)
         for number, chunk in enumerate(indices.split(256)):
-            if callable(reading):
-                reading(number * 256)
+            if callable(reading):  # the chunk about to be handed out: its shards are read now
+                reading(number * 256 + len(chunk) - 1)
             yield from chunk.tolist()

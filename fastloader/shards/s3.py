@@ -114,12 +114,20 @@ class S3Store:
         if client is None:
             from botocore.config import Config
 
-            config = Config(
+            options = dict(
                 retries={"max_attempts": self.retries, "mode": "standard"},
                 connect_timeout=self.timeout,
                 read_timeout=self.timeout,
                 max_pool_connections=max(10, self.ranges),  # a connection per range
+                # the shard's XXH3 is checked whole (NOTE [ The shard cache ]): botocore's own
+                # checksum of every body as well is work done twice
+                response_checksum_validation="when_required",
             )
+            try:
+                config = Config(**options)
+            except TypeError:  # botocore before 1.36 validates no response checksums
+                del options["response_checksum_validation"]
+                config = Config(**options)
             session = _boto3().session.Session()
             client = session.client("s3", endpoint_url=self.endpoint_url, config=config)
             _CLIENTS[key] = client
