@@ -19,7 +19,7 @@ in downloads (simulated), and epochs from S3 (a SeaweedFS server on loopback) vs
   of a real dataset; each shard is opened once per worker per epoch, a cost 16x larger per
   byte than with the 64 MB shards a real dataset would use.
 - ``link_rows``: the first (cold) epoch from S3 through a shaped link (``LINK``: a first-byte
-  latency and a bandwidth per connection, a loopback proxy, tests/_fault_proxy.py) for each
+  latency and a bandwidth per connection, a loopback proxy, benchmarks/_fault_proxy.py) for each
   download-ahead depth (``AHEADS``) and byte ranges per shard (``RANGES``; ranges of 1 MB at
   least, so a 4 MB shard comes in 4 as a 64 MB one does in 4 of 16 MB), over the local pack's
   first epoch in the same round.
@@ -154,7 +154,9 @@ def _epochs(dataset: Any, epochs: int = 2) -> tuple[float, ...]:
 
 def _server(workdir: Path) -> Any:
     try:
-        from tests import _seaweed
+        import boto3  # noqa: F401 - the remote extra
+
+        from benchmarks import _seaweed
     except ImportError:
         return None
     if shutil.which("weed") is None:
@@ -213,7 +215,7 @@ def _rounds(workdir: Path, url: str, rounds: int) -> list[dict]:
 
 def link_rows(workdir: Path, url: str, endpoint: str, rounds: int) -> list[dict]:
     """Cold epochs through a shaped link, per download-ahead depth and ranges (docstring)."""
-    from tests._fault_proxy import FaultProxy
+    from benchmarks._fault_proxy import FaultProxy
 
     local = open_pack(workdir / "local.lmdb")
     configs = [(ahead, ranges) for ranges in RANGES for ahead in AHEADS]

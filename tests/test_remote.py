@@ -1,4 +1,4 @@
-"""Sharded packs in a real S3-compatible server (SeaweedFS on 127.0.0.1, tests/_seaweed.py):
+"""Sharded packs in a real S3-compatible server (SeaweedFS on 127.0.0.1, benchmarks/_seaweed.py):
 packed, verified, read back equal, corrupted shards refused, elastic resume, fork and spawn,
 no credentials in errors or states."""
 
@@ -196,7 +196,7 @@ def test_a_server_gone_for_good_is_a_clear_error_naming_the_url_not_a_hang(tmp_p
 
 @pytest.fixture
 def proxy(s3):
-    from tests._fault_proxy import FaultProxy
+    from benchmarks._fault_proxy import FaultProxy
 
     proxy = FaultProxy(s3.endpoint)
     yield proxy
