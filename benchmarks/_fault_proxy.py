@@ -11,8 +11,11 @@ records each request line with its ``Range`` header ("" without one).
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
+from typing import Any
 from urllib.parse import urlparse
 
 
@@ -143,3 +146,22 @@ def _read_message(sock: socket.socket) -> bytes | None:
             break
         body += chunk
     return head + b"\r\n\r\n" + body
+
+
+def shaped_link(upstream: str, latency: float, bandwidth: float) -> tuple[str, Any]:
+    """A shaping proxy in its own process (its threads take no GIL from the measured loader):
+    its endpoint and the process, to ``terminate()``."""
+    code = (
+        "import sys, time\n"
+        "from benchmarks._fault_proxy import FaultProxy\n"
+        "proxy = FaultProxy(sys.argv[1], float(sys.argv[2]), float(sys.argv[3]))\n"
+        "print(proxy.endpoint, flush=True)\n"
+        "sys.stdin.read()\n"  # until the parent closes it (or dies)
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", code, upstream, str(latency), str(bandwidth)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    return process.stdout.readline().strip(), process

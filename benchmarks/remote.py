@@ -215,12 +215,12 @@ def _rounds(workdir: Path, url: str, rounds: int) -> list[dict]:
 
 def link_rows(workdir: Path, url: str, endpoint: str, rounds: int) -> list[dict]:
     """Cold epochs through a shaped link, per download-ahead depth and ranges (docstring)."""
-    from benchmarks._fault_proxy import FaultProxy
+    from benchmarks._fault_proxy import shaped_link
 
     local = open_pack(workdir / "local.lmdb")
     configs = [(ahead, ranges) for ranges in RANGES for ahead in AHEADS]
     times: dict[Any, list[float]] = {config: [] for config in [*configs, "local"]}
-    proxy = FaultProxy(endpoint, **LINK)
+    link, proxy = shaped_link(endpoint, **LINK)
     try:
         for number in range(rounds):  # interleaved, as _rounds
             times["local"].append(_epochs(local, epochs=1)[0])
@@ -230,14 +230,15 @@ def link_rows(workdir: Path, url: str, endpoint: str, rounds: int) -> list[dict]
                 dataset = ShardedDataset(
                     url,
                     cache_dir=cache,
-                    endpoint_url=proxy.endpoint,
+                    endpoint_url=link,
                     ahead=ahead,
                     store_options=options,
                 )
                 times[(ahead, ranges)].append(_epochs(dataset, epochs=1)[0])
                 shutil.rmtree(cache, ignore_errors=True)
     finally:
-        proxy.close()
+        proxy.stdin.close()
+        proxy.wait(timeout=30)
     local_rate = statistics.median(times["local"])
     return [
         {
