@@ -365,6 +365,21 @@ class ShardCache:
 
     # -- download ahead (the main process of each rank) ---------------------------------
 
+    # NOTE [ How far ahead ]
+    # ``ahead`` is both how many shards beyond the ones being read are fetched and how many are
+    # in flight at once. The shards being read are those of the chunk of the order the sampler
+    # hands out (256 positions, shard_order.py), so at the start of an epoch the threads fetch
+    # the first batches' shards, in the order they are read, and the workers (which fetch a
+    # shard themselves only when no one holds its lock) fetch fewer with clients of their own.
+    # Measured (benchmarks/remote.py ``link_rows``: cold epochs of 6 000 samples in 19 shards
+    # of 4 MB through a proxy that waits 50 ms to the first byte and sends 100 MB/s per
+    # connection, 2 workers, two runs on the shared 2-core box at load 4-8), as a fraction of
+    # the local pack's first epoch: ahead 0 and 1: 0.09-0.14x; ahead 2: 0.18-0.21x; ahead 4:
+    # 0.16-0.21x; 4 ranges per shard instead of 1 gained nothing there (the box's CPU, not the
+    # link, bounds it). So ``ahead=2`` (ShardedDataset's default): more threads cost the main
+    # process CPU and cache room (``cache_minimum`` counts ``ahead`` shards per rank) and gained
+    # nothing measurable.
+
     def plan(self, shards: np.ndarray, ahead: int) -> None:
         """This rank reads ``shards[k]`` at its k-th read: download ahead of it."""
         order, first = _first_uses(shards)
