@@ -364,11 +364,12 @@ def mapping_start(
     """
     # NOTE [ Finding LMDB's map ]
     # A process that imported torch (a loader's worker) has hundreds of mappings, a line of
-    # /proc/self/maps each. Parsing every line in Python cost ~3 ms an open (17 ms at load 10),
-    # paid at each open of a pack (twice per pack: its index is read and the handle closed,
-    # then it is opened again to read), so at every shard of a sharded pack a process reads.
-    # Now (1) the text is read as bytes in one call and only the lines that carry this inode
-    # are parsed (a substring search, in C), and (2) it is read only when py-lmdb first hands
+    # /proc/self/maps each (750 with torch and 19 shards open). Reading and parsing them cost
+    # 1.5-5 ms an open here (17 ms at load 10), most of it the kernel writing the text, paid at
+    # each open of a pack (twice per pack: its index is read and the handle closed, then it is
+    # opened again to read), so at every shard of a sharded pack a process reads. Now (1) the
+    # text is read as bytes in one call and only the lines that carry this inode are parsed (a
+    # substring search, in C), and (2) it is read only when py-lmdb first hands
     # back a value (the metadata, labels and source paths: records and column parts are read
     # from fastloader's own map and need no address), so a handle that reads only records or
     # columns never reads it. Since fastloader's own map of the file (same inode, offset 0,
