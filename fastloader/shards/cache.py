@@ -372,14 +372,13 @@ class ShardCache:
     # the first batches' shards, in the order they are read, and the workers (which fetch a
     # shard themselves only when no one holds its lock) fetch fewer with clients of their own.
     # Measured (benchmarks/remote.py ``link_rows``: cold epochs of 6 000 samples in 19 shards
-    # of 4 MB through a proxy that waits 50 ms to the first byte and sends 100 MB/s per
-    # connection, in a process of its own; 2 workers; two runs of 3 rounds on the shared 2-core
-    # box at load 4-8), as a fraction of the local pack's first epoch: ahead 0 and 1:
-    # 0.10-0.21x; ahead 2: 0.18-0.22x; ahead 4: 0.16-0.25x; 4 ranges per shard instead of 1:
-    # from -0.02 to +0.05 (the box's CPU, not the link, bounds a cold epoch there). So
-    # ``ahead=2`` (ShardedDataset's default): 0 and 1 are slower; 4 was not faster in both runs
-    # and costs the main process CPU and cache room (``cache_minimum`` counts ``ahead`` shards
-    # per rank).
+    # of 4 MB through a proxy, in a process of its own, that waits 50 ms to the first byte and
+    # sends 100 MB/s per connection; 2 workers; three runs of 3 rounds on the shared 2-core box
+    # at load 3-8): ahead 2 read a cold epoch 1.07-2.0x as fast as ahead 0 or 1 in every run
+    # and ranges setting; ahead 4 0.87-1.15x as fast as ahead 2; 4 ranges per shard instead
+    # of 1 (at ahead 2) 0.95-1.19x. So ``ahead=2`` (ShardedDataset's default): 4 was not
+    # faster in every run and costs the main process CPU and cache room (``cache_minimum``
+    # counts ``ahead`` shards per rank). The box's CPU, not the link, bounded these epochs.
 
     def plan(self, shards: np.ndarray, ahead: int) -> None:
         """This rank reads ``shards[k]`` at its k-th read: download ahead of it."""
