@@ -34,6 +34,7 @@ from fastloader.shards.stores import is_url, open_store, read_manifest
 __all__ = ["ShardedDataset"]
 
 _DEFAULT_LANES, _DEFAULT_WINDOW = 8, 4  # what ShardOrderSampler takes by default
+_DEFAULT_CACHE = 4  # the default cache_limit: this many times the order's minimum
 
 
 class ShardedDataset(Dataset):
@@ -86,7 +87,11 @@ class ShardedDataset(Dataset):
         if is_url(path_or_url) and self.store.local_path(self.manifest.shards[0].name) is None:
             biggest = max(s.bytes for s in self.manifest.shards)
             minimum = cache_minimum(biggest, len(self.manifest.shards), lanes, window, ahead)
-            limit = 4 * minimum if cache_limit is None else parse_size(cache_limit, "cache_limit")
+            limit = (
+                _DEFAULT_CACHE * minimum
+                if cache_limit is None
+                else parse_size(cache_limit, "cache_limit")
+            )
             self.cache = ShardCache(self.store, self.manifest, cache_dir, limit, minimum)
         self._reset()
 
@@ -203,6 +208,30 @@ class ShardedDataset(Dataset):
         hits, misses, hit_rate, wait_seconds, downloads, bytes_downloaded, evictions), or None
         for a folder read in place."""
         return None if self.cache is None else self.cache.node_stats()
+
+    def cache_counters(self) -> dict[str, Any] | None:
+        """What ``loader.stats`` reads of the cache (stats/downloads.py): each process's
+        counters by ``HOST-PID`` (cumulative) and the settings its advice names; None for a
+        folder read in place."""
+        if self.cache is None:
+            return None
+        sizes = [shard.bytes for shard in self.manifest.shards]
+        more = max(1, 2 * self.ahead)
+        minimum = [
+            cache_minimum(max(sizes), len(sizes), self.lanes, self.window, ahead)
+            for ahead in (self.ahead, more)
+        ]
+        return {
+            "url": self.url,
+            "processes": self.cache.process_stats(),
+            "ahead": self.ahead,
+            "cache_limit": self.cache.limit,
+            "cache_minimum": minimum[0],
+            "cache_default": _DEFAULT_CACHE * minimum[0],
+            "more_ahead": more,
+            "cache_minimum_more_ahead": minimum[1],
+            "shard_bytes": sum(sizes) / len(sizes),
+        }
 
     def close(self) -> None:
         """Close every shard open in this process, and stop downloading ahead."""

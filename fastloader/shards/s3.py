@@ -79,6 +79,7 @@ class S3Store:
         self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
         self.endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
         self.retries, self.timeout = retries, timeout
+        self.requests = 0  # requests this process made through this store (the cache's stats)
 
     def __repr__(self) -> str:
         return f"S3Store({self.url!r}, endpoint_url={self.endpoint_url!r})"
@@ -110,6 +111,7 @@ class S3Store:
         """``client.method(**kwargs)`` with errors that name the object, never credentials."""
         from botocore import exceptions
 
+        self.requests += 1
         try:
             return getattr(self._client(), method)(Bucket=self.bucket, **kwargs)
         except exceptions.NoCredentialsError:
