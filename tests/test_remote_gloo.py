@@ -98,6 +98,8 @@ def _rank(rank: int, world: int, init_file: str, out: str, plan: dict) -> None:
             if len(batches) == plan.get("stop"):
                 break
         saved = {"batches": batches, "state": loader.state_dict()}
+        if loader.stats.last is not None:  # a whole epoch: what this rank's processes fetched
+            saved["downloads"] = loader.stats.last.downloads.as_dict()
         loader.close()
         Path(out, f"rank{rank}.json").write_text(json.dumps(saved))
     finally:
@@ -173,6 +175,13 @@ def test_gloo_ranks_stop_at_a_random_step_and_resume_exactly_on_another_world(ur
     resumed_plan = plan | {"batch": resumed_batch, "workers": 2, "resume": str(saved)}
     resumed = _run_ranks(tmp_path / "resumed", 3, resumed_plan | {"cache": str(tmp_path / "c2")})
 
+    # the ranks of one node share its cache: each shard fetched once, by one rank's processes
+    fetched = [rank["downloads"] for rank in whole]
+    manifest = ShardedDataset(url, cache_dir=tmp_path / "c0").manifest
+    if kind == "shards":  # every shard is read
+        assert sum(f["downloads"] for f in fetched) == len(manifest.shards)
+        assert sum(f["bytes_downloaded"] for f in fetched) == manifest.size_bytes
+    assert 0 < sum(f["requests"] for f in fetched) == sum(f["downloads"] for f in fetched)
     reference = _positions([(0, whole)], lanes)
     interrupted = _positions([(0, first), (state["position"], resumed)], lanes)
     assert sorted(reference) == list(range(total))
