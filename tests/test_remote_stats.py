@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from fastloader import DataLoader, Mix, ShardedDataset, ShardOrderSampler, pack
+from fastloader.formats.metadata import human_size
 from fastloader.stats.downloads import (
     DOWNLOAD_WAIT_SHARE,
     LOW_HIT_RATE,
@@ -113,6 +114,49 @@ def test_a_mix_counts_its_remote_source_downloads(url, tmp_path):
     assert downloads.requests == downloads.downloads
 
 
+@pytest.mark.slow
+def test_a_mix_reading_through_a_cache_too_small_for_its_order_is_told_the_size_that_holds_it(
+    url, s3, tmp_path
+):
+    from tests._fault_proxy import FaultProxy
+
+    proxy = FaultProxy(s3.endpoint)
+    try:
+        probe = ShardedDataset(url, cache_dir=tmp_path / "probe", endpoint_url=proxy.endpoint)
+        two_shards = 2 * max(shard.bytes for shard in probe.manifest.shards)
+        remote = ShardedDataset(  # the order's minimum is 1 shard: a limit of 2 is accepted
+            url,
+            cache_dir=tmp_path / "cache",
+            cache_limit=two_shards,
+            lanes=1,
+            window=1,
+            ahead=0,
+            endpoint_url=proxy.endpoint,
+        )
+        proxy.add("stall", count=10_000, match="shard-", argument=0.05)
+        mix = Mix({"remote": remote, "local": Local()}, {"remote": 0.9, "local": 0.1})
+        loader = DataLoader(mix, batch_size=16, seed=SEED)
+        assert list(loader)
+    finally:
+        proxy.close()
+    epoch = loader.stats.last
+    downloads = epoch.downloads
+    # a Mix reads its source in its own order: every shard at any time, through 2 shards' room
+    assert not downloads.planned and downloads.evictions > 0
+    assert downloads.downloads > len(remote.manifest.shards)  # fetched again after eviction
+    assert downloads.hit_rate < LOW_HIT_RATE
+    whole = human_size(remote.manifest.size_bytes)
+    assert f"set cache_limit to {whole}" in epoch.next_step()
+
+
+class Local:
+    def __len__(self) -> int:
+        return 90
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": np.full((6, 6), -i, np.int32), "y": 1000 + i}
+
+
 def _local_shards(folder):
     pack(Fields(), folder, shard_size=SHARD_SIZE, workers=0)
     return folder
@@ -183,6 +227,19 @@ def test_a_thrashing_cache_asks_for_cache_limit_only_below_the_useful_size():
     # evictions with a high hit rate are a cache smaller than the dataset, not a problem
     step = _epoch_with(_big(evictions=30, cache_limit=1100 * MB)).next_step()
     assert "set cache_limit" not in step
+
+
+def test_an_order_nothing_downloads_ahead_of_is_told_the_sampler_or_the_whole_dataset():
+    unplanned = dict(planned=False, dataset_bytes=100_000 * MB)
+    step = _epoch_with(_big(**unplanned)).next_step()
+    assert "ShardOrderSampler(dataset, batch_size)" in step and "ahead=" not in step
+    misses = int(1000 * (1 - LOW_HIT_RATE)) + 100
+    thrash = dict(hits=1000 - misses, misses=misses, evictions=30)
+    step = _epoch_with(_big(**unplanned, **thrash)).next_step()
+    assert "set cache_limit to 97.7 GiB" in step  # its working set: the whole dataset
+    # a cache that holds the whole dataset already: no cache advice
+    step = _epoch_with(_big(**(unplanned | thrash | {"cache_limit": 100_000 * MB}))).next_step()
+    assert "set cache_limit" not in step and "ShardOrderSampler" in step
 
 
 def test_no_download_advice_when_it_would_not_change_the_wait():

@@ -84,6 +84,7 @@ class ShardedDataset(Dataset):
         self.pack_options = pack_options
         self.open_shards = open_shards or lanes * window + 1
         self.cache: ShardCache | None = None
+        self.planned = False  # a ShardOrderSampler planned this rank's reads (plan_reads)
         if is_url(path_or_url) and self.store.local_path(self.manifest.shards[0].name) is None:
             biggest = max(s.bytes for s in self.manifest.shards)
             minimum = cache_minimum(biggest, len(self.manifest.shards), lanes, window, ahead)
@@ -197,6 +198,7 @@ class ShardedDataset(Dataset):
         if self.cache is not None and len(indices):
             shards = np.searchsorted(self._starts, indices, side="right") - 1
             self.cache.plan(shards, self.ahead)
+            self.planned = True  # for loader.stats: shards are downloaded ahead
 
     def reading_at(self, position: int) -> None:
         """How far this rank's order has been handed out (download-ahead follows it)."""
@@ -231,6 +233,8 @@ class ShardedDataset(Dataset):
             "more_ahead": more,
             "cache_minimum_more_ahead": minimum[1],
             "shard_bytes": sum(sizes) / len(sizes),
+            "dataset_bytes": sum(sizes),
+            "planned": self.planned,
         }
 
     def close(self) -> None:

@@ -18,13 +18,17 @@ they happen.
 The advice (only when training is input-bound, and readers waited for downloads at least
 ``DOWNLOAD_WAIT_SHARE`` of the loading processes' time) names the one option that changes the
 wait, and says "nothing to change" when none would:
+- a hit rate below ``LOW_HIT_RATE`` with evictions: shards are evicted before they are read
+  again and fetched again. For the shard-aware order, with a ``cache_limit`` below the default
+  (``cache_default``, a multiple of the order's minimum): raise it to the default (at or above
+  it, a larger cache would not change the misses). For another order (a ``Mix``'s, torch's
+  sampler: nothing planned its reads), whose working set is the whole dataset: a
+  ``cache_limit`` of the dataset's size, if it is below;
 - shards smaller than ``SMALL_SHARD_BYTES``: each download is a request's latency more than
   its bytes, and each shard a request: repack with a larger ``--shard-size`` (fewer requests
   per second, too);
-- a hit rate below ``LOW_HIT_RATE`` with evictions, and a ``cache_limit`` below the default
-  (``cache_default``, a multiple of the order's minimum): shards are evicted before they are
-  read and fetched again: raise ``cache_limit`` to the default. At or above it, a larger cache
-  would not change the misses;
+- an order nothing downloads ahead of (not a ``ShardOrderSampler``'s): that sampler, outside a
+  ``Mix``;
 - a wait mostly at the epoch's start: the epoch's first shards, which nothing downloads ahead
   of: nothing to change;
 - else downloads ahead did not keep up: raise ``ahead`` (doubled), naming the cache the order
@@ -64,8 +68,9 @@ class DownloadStats:
         evictions: shards deleted to make room.
         wall_s: the epoch's wall time; processes: the processes that loaded (workers, or 1).
         url: the dataset's URL (the first one's, for several); ahead, cache_limit,
-            cache_minimum, cache_default, more_ahead, cache_minimum_more_ahead, shard_bytes:
-            its settings, for the advice.
+            cache_minimum, cache_default, more_ahead, cache_minimum_more_ahead, shard_bytes,
+            dataset_bytes: its settings, for the advice; planned: whether a
+            ``ShardOrderSampler`` planned the reads (shards downloaded ahead).
     """
 
     wait_s: float = 0.0
@@ -85,6 +90,8 @@ class DownloadStats:
     more_ahead: int = 1
     cache_minimum_more_ahead: int = 0
     shard_bytes: float = 0.0
+    dataset_bytes: int = 0
+    planned: bool = True
 
     @property
     def hit_rate(self) -> float:
@@ -169,7 +176,7 @@ def epoch_downloads(
 
 
 _SETTINGS = ("url", "ahead", "cache_limit", "cache_minimum", "cache_default", "more_ahead")
-_SETTINGS += ("cache_minimum_more_ahead", "shard_bytes")
+_SETTINGS += ("cache_minimum_more_ahead", "shard_bytes", "dataset_bytes", "planned")
 
 
 def _add(total: DownloadStats, start: Any, end: Any) -> None:
@@ -193,23 +200,20 @@ def download_advice(stats: Any, downloads: DownloadStats) -> str | None:
         f"readers waited for shard downloads {100 * downloads.wait_share:.0f}% of the loading "
         f"time ({downloads.wait_s:.1f} s)"
     )
+    thrash = _thrash_advice(downloads)
+    if thrash is not None:
+        return f"{waited}, with a hit rate of {100 * downloads.hit_rate:.0f}% and " + thrash
     if downloads.shard_bytes < SMALL_SHARD_BYTES:
         return (
             f"{waited}; shards average {human_size(downloads.shard_bytes)}, so each download "
             "is mostly a request's latency: repack with larger shards (fastloader-pack "
             "--shard-size 64MB): fewer, larger requests"
         )
-    if (
-        downloads.evictions
-        and downloads.hit_rate < LOW_HIT_RATE
-        and downloads.cache_limit < downloads.cache_default
-    ):
+    if not downloads.planned:
         return (
-            f"{waited}, with a hit rate of {100 * downloads.hit_rate:.0f}% and "
-            f"{downloads.evictions} shards evicted: cache_limit "
-            f"{human_size(downloads.cache_limit)} is close to what the order needs at once "
-            f"({human_size(downloads.cache_minimum)}), so shards are evicted before they are "
-            f"read and fetched again: set cache_limit to {human_size(downloads.cache_default)}"
+            f"{waited}: nothing downloads ahead of this order (not a ShardOrderSampler's: a "
+            "Mix's, or torch's sampler): each shard is fetched when first read; outside a Mix "
+            "pass sampler=fastloader.ShardOrderSampler(dataset, batch_size)"
         )
     if stats.start_wait_s >= stats.worker_wait_s:
         return (
@@ -225,4 +229,30 @@ def download_advice(stats: Any, downloads: DownloadStats) -> str | None:
             if downloads.cache_limit < downloads.cache_minimum_more_ahead
             else ""
         )
+    )
+
+
+def _thrash_advice(downloads: DownloadStats) -> str | None:
+    """``cache_limit`` advice when the cache evicts shards the order reads again, and a
+    larger one would hold them: the default for the shard-aware order, the whole dataset for
+    another (its working set)."""
+    if not downloads.evictions or downloads.hit_rate >= LOW_HIT_RATE:
+        return None
+    evicted = f"{downloads.evictions} shards evicted: "
+    limit = human_size(downloads.cache_limit)
+    if not downloads.planned:
+        if downloads.cache_limit >= downloads.dataset_bytes:
+            return None
+        return (
+            f"{evicted}an order that is not the shard-aware one (a Mix's, torch's sampler) "
+            f"reads the whole dataset at once, and cache_limit {limit} is below it: set "
+            f"cache_limit to {human_size(downloads.dataset_bytes)}, or read it with "
+            "ShardOrderSampler outside a Mix"
+        )
+    if downloads.cache_limit >= downloads.cache_default:
+        return None
+    return (
+        f"{evicted}cache_limit {limit} is close to what the order needs at once "
+        f"({human_size(downloads.cache_minimum)}), so shards are evicted before they are read "
+        f"and fetched again: set cache_limit to {human_size(downloads.cache_default)}"
     )
