@@ -207,8 +207,8 @@ class ShardedDataset(Dataset):
 
     def cache_stats(self) -> Any:
         """The cache's counters over every process of this node that used it (``CacheStats``:
-        hits, misses, hit_rate, wait_seconds, downloads, bytes_downloaded, evictions), or None
-        for a folder read in place."""
+        hits, misses, hit_rate, wait_seconds, downloads, bytes_downloaded, requests, evictions),
+        or None for a folder read in place."""
         return None if self.cache is None else self.cache.node_stats()
 
     def cache_counters(self) -> dict[str, Any] | None:
