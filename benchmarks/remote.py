@@ -1,5 +1,6 @@
-"""Sharded packs: the shard-aware order's shuffle against a global one, what it costs a cluster
-in downloads (simulated), and epochs from S3 (a SeaweedFS server on loopback) vs one local pack.
+"""Sharded packs: the shard-aware order's shuffle against a global one, and epochs from S3 (a
+SeaweedFS server on loopback) vs one local pack. What the order costs a cluster in downloads
+and requests is simulated by ``python -m benchmarks.shard_simulation``.
 
 - ``shuffle_rows``: a dataset packed in class order (the worst case: ImageFolder order, 100
   classes) or, last row, packed with ``shuffle_seed`` (records in a random order), global
@@ -7,9 +8,6 @@ in downloads (simulated), and epochs from S3 (a SeaweedFS server on loopback) vs
   batch's class histogram and the dataset's (0: perfectly mixed; a global shuffle is the
   floor, ~0.27 here from sampling noise alone), the shards one global batch reads, and the
   quality as the global shuffle's distance over the order's (1.0: as good as global).
-- ``cluster_rows``: no data; the order of 64 nodes x 8 ranks over S shards, dealt as the
-  sampler deals it: shards each node downloads per epoch (as a multiple of its share S / 64),
-  and the cache each node needs at once.
 - ``rows``: the first and second epoch of one loader (persistent workers; 2 workers, batch 64,
   64x64x3 uint8 samples) over one local pack, the same samples as a sharded folder, and from
   S3 (the first epoch with an empty cache: cold; the second warm); medians of interleaved
@@ -42,10 +40,10 @@ from fastloader import DataLoader, ShardedDataset, open_pack, pack
 from fastloader.sampling.shard_order import shard_epoch_order
 
 SIZES = {
-    #       samples, rounds, cluster shards
-    "tiny": (1_000, 1, 2_000),
-    "quick": (6_000, 3, 10_000),
-    "full": (20_000, 5, 20_000),
+    #       samples, rounds
+    "tiny": (1_000, 1),
+    "quick": (6_000, 3),
+    "full": (20_000, 5),
 }
 CLASSES, PER_SHARD, GLOBAL_BATCH = 100, 250, 256
 LINK = {"latency": 0.05, "bandwidth": 100e6}  # to the first byte (s), bytes/s per connection
@@ -91,35 +89,6 @@ def shuffle_rows(samples: int = 100_000) -> list[dict]:
                 "class_distance": round(distance, 3),
                 "shards_per_batch": round(float(per_batch), 1),
                 "vs_global_quality": round(floor / distance, 3),
-            }
-        )
-    return rows
-
-
-def cluster_rows(shards: int, per_shard: int = 100) -> list[dict]:
-    """Downloads per node per epoch for 64 nodes x 8 ranks (see the module docstring)."""
-    nodes, ranks_per_node, batch = 64, 8, 8
-    world = nodes * ranks_per_node
-    rows = []
-    for lanes, window in ((512, 4), (64, 4), (8, 4)):
-        order = shard_epoch_order(0, 0, [per_shard] * shards, lanes, window)
-        g = world * batch
-        steps = order[: len(order) // g * g].reshape(-1, g)
-        lane = (np.arange(steps.size) % lanes).reshape(steps.shape)
-        dealt = np.take_along_axis(steps, np.argsort(lane, axis=1, kind="stable"), axis=1)
-        node = (np.arange(g) // batch) // ranks_per_node
-        owners = np.broadcast_to(node, dealt.shape).ravel()
-        pairs = np.unique(np.stack([owners, (dealt // per_shard).ravel()]), axis=1)
-        per_node = np.bincount(pairs[0], minlength=nodes)
-        node_lanes = -(-lanes // nodes) + 1
-        rows.append(
-            {
-                "lanes": lanes,
-                "window": window,
-                "shards": shards,
-                "downloads_per_node_mean": round(float(per_node.mean()), 1),
-                "vs_share_downloads": round(float(per_node.mean()) / (shards / nodes), 3),
-                "cache_shards_per_node": min(shards, node_lanes * window + 2 * ranks_per_node),
             }
         )
     return rows
@@ -253,7 +222,7 @@ def link_rows(workdir: Path, url: str, endpoint: str, rounds: int) -> list[dict]
 
 def run(size: str, workdir: Path) -> dict:
     """Run the comparison at ``size`` ("tiny", "quick", "full") in ``workdir``."""
-    samples, rounds, shards = SIZES[size]
+    samples, rounds = SIZES[size]
     workdir.mkdir(parents=True, exist_ok=True)
     rows, link, skipped = speed_rows(samples, rounds, workdir)
     quality = shuffle_rows()
@@ -265,7 +234,6 @@ def run(size: str, workdir: Path) -> dict:
         "rows": rows or quality,  # without the server: the shuffle table leads
         "shuffle_rows": quality if rows else [],
         "link_rows": link,
-        "cluster_rows": cluster_rows(shards),
         "ratios": {
             **{f"{r['source']} first epoch vs local": r["vs_local_first"] for r in rows},
             **{f"{r['source']} second epoch vs local": r["vs_local_second"] for r in rows},
@@ -281,8 +249,6 @@ def run(size: str, workdir: Path) -> dict:
             "shuffle: 100 000 samples packed in class order (100 classes), shards of 250, global "
             "batches of 256; class_distance: mean total variation distance of a batch's classes "
             "from the dataset's",
-            "cluster: 64 nodes x 8 ranks, batch 8 per rank, shards of 100 samples; downloads "
-            "per node per epoch over its share (shards / 64)",
             "rows: one loader per source and round (persistent workers), its first and second "
             "epoch; 2 workers, batch 64, 64x64x3 uint8 samples, shards of 4 MB; S3 is SeaweedFS "
             "on loopback with an empty cache at the first epoch",

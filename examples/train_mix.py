@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from _torchrun import join, leave
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
@@ -119,10 +119,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch
 
 def main() -> None:
     args = parse_args()
-    distributed = "RANK" in os.environ  # under torchrun
-    if distributed:
-        dist.init_process_group("gloo")
-    rank = dist.get_rank() if distributed else 0
+    distributed, rank = join()  # examples/_torchrun.py: under torchrun, the gloo group
     loader, model, optimizer = build(args, distributed, rank)
 
     step = 0
@@ -160,9 +157,7 @@ def main() -> None:
     if log is not None:
         log.close()
     loader.close()
-    if distributed:
-        dist.barrier()  # every rank done with gloo before any tears it down (see README)
-        dist.destroy_process_group()
+    leave(distributed)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import tempfile
 import numpy as np
 import torch
 import torch.distributed as dist
+from _torchrun import join, leave
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -87,10 +88,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict) 
 
 def main() -> None:
     args = parse_args()
-    distributed = "RANK" in os.environ  # under torchrun
-    if distributed:
-        dist.init_process_group("gloo")
-    rank = dist.get_rank() if distributed else 0
+    distributed, rank = join()  # examples/_torchrun.py: under torchrun, the gloo group
     loader, model, optimizer = build(args, distributed, rank)
     step = 0
     if args.resume:  # another world size, worker count or batch size: the state counts samples
@@ -122,9 +120,7 @@ def main() -> None:
     if log is not None:
         log.close()
     loader.close()
-    if distributed:
-        dist.barrier()  # every rank done with gloo before any tears it down (see README)
-        dist.destroy_process_group()
+    leave(distributed)
 
 
 if __name__ == "__main__":

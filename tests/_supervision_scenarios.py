@@ -243,23 +243,17 @@ def lost_continue():
     loader = DataLoader(
         range(16), batch_size=2, num_workers=2, prefetch_factor=2, worker_init_fn=_die_if_marked
     )
+
+    def kill_the_workers_after_two(count):
+        if count == 2:
+            os.environ["FASTLOADER_TEST_DIE"] = "1"  # replacements now die as they start
+            for pid in loader.worker_pids:
+                os.kill(pid, signal.SIGKILL)
+
     epochs = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        results = []
-        iterator = iter(loader)
-        while len(results) < 3 * len(loader):
-            try:
-                results.append(next(iterator).tolist())
-            except StopIteration:
-                break
-            except RuntimeError as error:
-                results.append(f"{type(error).__name__}: {error}")
-            if len(results) == 2:
-                os.environ["FASTLOADER_TEST_DIE"] = "1"  # replacements now die as they start
-                for pid in loader.worker_pids:
-                    os.kill(pid, signal.SIGKILL)
-        epochs.append(results)
+        epochs.append(results_of_epoch(loader, kill_the_workers_after_two))
         epochs.append(results_of_epoch(loader))  # a fresh pool, whose workers die too
         os.environ["FASTLOADER_TEST_DIE"] = "0"
         epochs.append(results_of_epoch(loader))  # workers can be restored again

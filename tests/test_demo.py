@@ -18,7 +18,7 @@ from benchmarks import COMPARISONS, DEMO  # noqa: E402
 from benchmarks import _progress as progress  # noqa: E402
 from benchmarks.__main__ import demo_duration, parse_args  # noqa: E402
 from benchmarks.plots import footer, loader_panel, pipeline_panel  # noqa: E402
-from benchmarks.report import loader_summary, render, summary  # noqa: E402
+from benchmarks.report import loader_summary, render, summary, transport_summary  # noqa: E402
 
 
 def test_the_demo_leads_with_the_pipeline_and_full_runs_everything() -> None:
@@ -126,17 +126,21 @@ def test_plots_say_what_is_better_with_human_names_ratios_date_and_load() -> Non
     assert len(set(pipeline["colours"])) == 2  # the baseline stands out
 
 
-def test_the_demo_shows_the_transport_table_beside_the_pipeline(tmp_path: Path) -> None:
-    from benchmarks.report import transport_summary
-
-    row = {
+def _transport_row(num_workers: int, vs_torch: float) -> dict:
+    """A row of the transport comparison (pose64: 150k samples/s, 0.13 vs torch's 0.82 ms of
+    main-process CPU per batch)."""
+    return {
         "data": "pose64",
-        "num_workers": 2,
+        "num_workers": num_workers,
         "fastloader_samples_per_s": 150000.0,
-        "vs_torch": 6.0,
+        "vs_torch": vs_torch,
         "fastloader_main_cpu_ms_per_batch": 0.13,
         "torch_main_cpu_ms_per_batch": 0.82,
     }
+
+
+def test_the_demo_shows_the_transport_table_beside_the_pipeline(tmp_path: Path) -> None:
+    row = _transport_row(num_workers=2, vs_torch=6.0)
     transport = {
         "rows": [row],
         "ratios": {"pose64_2w_vs_fastloader_0w": 0.8, "pose64_0w_vs_plain_loop": 0.93},
@@ -193,16 +197,7 @@ def test_the_loader_table_explains_steady_near_1x_and_a_much_sooner_first_batch(
 
 
 def test_the_transport_table_explains_its_rows_without_workers() -> None:
-    from benchmarks.report import transport_summary
-
-    row = {
-        "data": "pose64",
-        "num_workers": 0,
-        "fastloader_samples_per_s": 150000.0,
-        "vs_torch": 7.0,
-        "fastloader_main_cpu_ms_per_batch": 0.13,
-        "torch_main_cpu_ms_per_batch": 0.82,
-    }
+    row = _transport_row(num_workers=0, vs_torch=7.0)
     text = transport_summary({"rows": [row], "ratios": {}, "config": {"rounds": 5}})
     assert "one __getitems__ call" in text
     results = _results()
@@ -211,17 +206,9 @@ def test_the_transport_table_explains_its_rows_without_workers() -> None:
 
 
 def test_workers_slower_than_the_main_process_on_short_epochs_say_why() -> None:
-    from benchmarks.report import transport_summary
     from fastloader.loader.transport.groups import DECIDE_AT
 
-    row = {
-        "data": "pose64",
-        "num_workers": 2,
-        "fastloader_samples_per_s": 150000.0,
-        "vs_torch": 6.0,
-        "fastloader_main_cpu_ms_per_batch": 0.13,
-        "torch_main_cpu_ms_per_batch": 0.82,
-    }
+    row = _transport_row(num_workers=2, vs_torch=6.0)
     ratios = {"pose64_2w_vs_fastloader_0w": 0.43, "pose64_0w_vs_plain_loop": 2.2}
     short = {"rows": [row], "ratios": ratios, "config": {"rounds": 5, "sizes": (5, 2048)}}
     assert (

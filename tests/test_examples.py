@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import S3_BUCKET
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 README = ROOT / "README.md"
@@ -274,27 +276,18 @@ def test_train_mix_resumed_on_three_ranks_reads_what_two_ranks_would(tmp_path: P
 
 @pytest.mark.slow
 def test_train_remote_stopped_on_two_ranks_resumes_on_three_reading_each_sample_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, s3
 ) -> None:
-    """ "train_remote.py" against a real S3 server: pack, 2 ranks stop after 3 steps, 3 resume."""
-    import boto3
-
-    from tests import _seaweed
-
-    server = _seaweed.start(tmp_path / "seaweed")
-    try:
-        for name, value in server.env().items():
-            monkeypatch.setenv(name, value)
-        boto3.client("s3").create_bucket(Bucket="examples")
-        script = [str(EXAMPLES / "train_remote.py"), "--url", "s3://examples/train"]
-        script += ["--cache", str(tmp_path / "cache"), "--checkpoint", str(tmp_path / "r.pt")]
-        script += ["--log-samples", str(tmp_path / "log")]
-        out = _run(_torchrun(2) + script + ["--pack", "--stop-after", "3"], tmp_path, 300)
-        assert "stopped after step 3" in out
-        out = _run(_torchrun(3) + script + ["--resume", "--batch-size", "5"], tmp_path, 300)
-        assert "resumed at step 3, sample 48" in out and "epoch 0: loss" in out
-    finally:
-        _seaweed.stop(server)
+    """ "train_remote.py" against a real S3 server (the session's ``s3`` fixture, its
+    credentials in the environment the ranks inherit): pack, 2 ranks stop after 3 steps, 3
+    resume."""
+    script = [str(EXAMPLES / "train_remote.py"), "--url", f"s3://{S3_BUCKET}/examples/train"]
+    script += ["--cache", str(tmp_path / "cache"), "--checkpoint", str(tmp_path / "r.pt")]
+    script += ["--log-samples", str(tmp_path / "log")]
+    out = _run(_torchrun(2) + script + ["--pack", "--stop-after", "3"], tmp_path, 300)
+    assert "stopped after step 3" in out
+    out = _run(_torchrun(3) + script + ["--resume", "--batch-size", "5"], tmp_path, 300)
+    assert "resumed at step 3, sample 48" in out and "epoch 0: loss" in out
     labels = [
         label
         for rank in range(3)

@@ -7,13 +7,14 @@ from _datasets import RandomDraws
 from fastloader import DataLoader
 
 lightning = pytest.importorskip("lightning.pytorch")
+from _lightning import CheckpointAt, LinearModule, cpu_trainer  # noqa: E402
+
 pytestmark = pytest.mark.lightning
 
 
-class _PidModule(lightning.LightningModule):
+class _PidModule(LinearModule):
     def __init__(self):
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 1)
+        super().__init__(4)
         self.train_pids, self.val_pids = {}, {}
 
     def _record(self, store, batch):
@@ -27,9 +28,6 @@ class _PidModule(lightning.LightningModule):
     def validation_step(self, batch, batch_idx):
         self._record(self.val_pids, batch)
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
 
 class _DataModule(lightning.LightningDataModule):
     def train_dataloader(self):
@@ -39,21 +37,9 @@ class _DataModule(lightning.LightningDataModule):
         return DataLoader(RandomDraws(8), batch_size=4, num_workers=1)
 
 
-def _trainer(**kwargs):
-    return lightning.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
-
-
 def test_fit_with_validation_starts_train_and_val_workers_once():
     model = _PidModule()
-    _trainer(max_epochs=3).fit(model, datamodule=_DataModule())
+    cpu_trainer(max_epochs=3).fit(model, datamodule=_DataModule())
     assert sorted(model.train_pids) == [0, 1, 2]
     train = set().union(*model.train_pids.values())
     val = set().union(*model.val_pids.values())
@@ -79,10 +65,9 @@ def test_lightning_rebuilds_it_with_an_injected_distributed_sampler():
     rebuilt.close()
 
 
-class _IndexModule(lightning.LightningModule):
+class _IndexModule(LinearModule):
     def __init__(self):
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 1)
+        super().__init__(4)
         self.seen = []
 
     def training_step(self, batch, batch_idx):
@@ -90,31 +75,19 @@ class _IndexModule(lightning.LightningModule):
         self.seen.append(values[:, 0].long().tolist())
         return self.layer(values.float()).mean()
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
 
 class _ResumableData(lightning.LightningDataModule):
     def train_dataloader(self):
         return DataLoader(RandomDraws(24), batch_size=4, shuffle=True, num_workers=1, seed=5)
 
 
-class _CheckpointAt(lightning.Callback):
-    def __init__(self, step, path):
-        self.step, self.path = step, path
-
-    def on_train_batch_end(self, trainer, *args):
-        if trainer.global_step == self.step:
-            trainer.save_checkpoint(self.path)
-
-
 def test_lightning_resume_from_mid_epoch_checkpoint_sees_the_remaining_samples(tmp_path):
     checkpoint = tmp_path / "mid.ckpt"
     full = _IndexModule()
-    _trainer(max_epochs=2, callbacks=[_CheckpointAt(8, checkpoint)]).fit(
+    cpu_trainer(max_epochs=2, callbacks=[CheckpointAt(8, checkpoint)]).fit(
         full, datamodule=_ResumableData()
     )  # 6 batches per epoch: the checkpoint is 2 batches into epoch 1
     resumed = _IndexModule()
-    _trainer(max_epochs=2).fit(resumed, datamodule=_ResumableData(), ckpt_path=checkpoint)
+    cpu_trainer(max_epochs=2).fit(resumed, datamodule=_ResumableData(), ckpt_path=checkpoint)
     assert len(full.seen) == 12
     assert resumed.seen == full.seen[8:]

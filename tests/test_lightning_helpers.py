@@ -10,6 +10,8 @@ from fastloader import DataLoader, PackError
 from fastloader.formats import RecordKind, encode_record, open_writer
 
 lightning = pytest.importorskip("lightning.pytorch")
+from _lightning import LinearModule, cpu_trainer  # noqa: E402
+
 from fastloader.lightning import PackedDataModule  # noqa: E402
 
 pytestmark = pytest.mark.lightning
@@ -26,10 +28,9 @@ def _value_and_pid(image: torch.Tensor) -> tuple[int, int]:
     return int(image[0, 0, 0]), os.getpid()
 
 
-class _RecordingModule(lightning.LightningModule):
+class _RecordingModule(LinearModule):
     def __init__(self):
-        super().__init__()
-        self.layer = torch.nn.Linear(1, 1)
+        super().__init__(1)
         self.seen = {"train": {}, "val": {}}
         self.pids = {"train": set(), "val": set()}
 
@@ -44,21 +45,6 @@ class _RecordingModule(lightning.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         self._record("val", batch)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
-def _trainer(**kwargs):
-    return lightning.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
 
 
 def test_fit_reads_every_sample_each_epoch_with_workers_started_once(tmp_path):
@@ -75,7 +61,7 @@ def test_fit_reads_every_sample_each_epoch_with_workers_started_once(tmp_path):
         seed=5,
     )
     model = _RecordingModule()
-    _trainer(max_epochs=3, num_sanity_val_steps=0).fit(model, datamodule=data)
+    cpu_trainer(max_epochs=3, num_sanity_val_steps=0).fit(model, datamodule=data)
     for epoch in range(3):
         assert sorted(model.seen["train"][epoch]) == list(range(12))
         assert sorted(model.seen["val"][epoch]) == list(range(6))

@@ -18,18 +18,21 @@ def _values(loader, epochs=2):
     return [[values.cpu() for values, _ in loader] for _ in range(epochs)]
 
 
+def _twins(samples, seed, num_workers, **device_arguments):
+    """Two loaders of the same shuffled batches: one without ``device_arguments``, one with."""
+
+    def loader(**extra):
+        draws = RandomDraws(samples)
+        return DataLoader(
+            draws, batch_size=4, shuffle=True, seed=seed, num_workers=num_workers, **extra
+        )
+
+    return loader(), loader(**device_arguments)
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_device_cpu_gives_the_same_batches_as_no_device(num_workers):
-    plain = DataLoader(RandomDraws(12), batch_size=4, shuffle=True, seed=3, num_workers=num_workers)
-    on_cpu = DataLoader(
-        RandomDraws(12),
-        batch_size=4,
-        shuffle=True,
-        seed=3,
-        num_workers=num_workers,
-        device="cpu",
-        device_prefetch=3,
-    )
+    plain, on_cpu = _twins(12, 3, num_workers, device="cpu", device_prefetch=3)
     with plain, on_cpu:
         expected, got = _values(plain), _values(on_cpu)
     for epoch_expected, epoch_got in zip(expected, got, strict=True):
@@ -63,16 +66,7 @@ def test_cuda_device_without_cuda_fails_at_construction():
 @needs_cuda
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_cuda_loader_batches_equal_the_cpu_batches(num_workers):
-    cpu = DataLoader(RandomDraws(16), batch_size=4, shuffle=True, seed=2, num_workers=num_workers)
-    cuda = DataLoader(
-        RandomDraws(16),
-        batch_size=4,
-        shuffle=True,
-        seed=2,
-        num_workers=num_workers,
-        device="cuda",
-        device_transform=_double_values,
-    )
+    cpu, cuda = _twins(16, 2, num_workers, device="cuda", device_transform=_double_values)
     assert cuda.pin_memory is True
     with cpu, cuda:
         for (values, _), (on_device, _) in zip(cpu, cuda, strict=True):

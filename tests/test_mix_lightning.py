@@ -2,28 +2,25 @@
 realised source shares logged by LoaderStatsMonitor."""
 
 import pytest
-import torch
 from _mix_sources import Numbered
 
 from fastloader import DataLoader, Mix
 from fastloader.lightning import LoaderStatsMonitor
 
 lightning = pytest.importorskip("lightning.pytorch")
+from _lightning import CheckpointAt, LinearModule, cpu_trainer  # noqa: E402
+
 pytestmark = pytest.mark.lightning
 
 
-class _Module(lightning.LightningModule):
+class _Module(LinearModule):
     def __init__(self):
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 1)
+        super().__init__(4)
         self.seen = []
 
     def training_step(self, batch, batch_idx):
         self.seen.append(list(zip(batch.source, batch.index.tolist(), strict=True)))
         return self.layer(batch.sample.float()).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
 class _Data(lightning.LightningDataModule):
@@ -37,32 +34,11 @@ class _Data(lightning.LightningDataModule):
         return DataLoader(mix, batch_size=4, num_workers=1, seed=5)
 
 
-class _CheckpointAt(lightning.Callback):
-    def __init__(self, step, path):
-        self.step, self.path = step, path
-
-    def on_train_batch_end(self, trainer, *args):
-        if trainer.global_step == self.step:
-            trainer.save_checkpoint(self.path)
-
-
-def _trainer(**kwargs):
-    return lightning.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
-
-
 def test_a_mix_in_a_datamodule_resumes_mid_epoch_and_logs_source_shares(tmp_path):
     checkpoint = tmp_path / "mid.ckpt"
     full = _Module()
-    callbacks = [_CheckpointAt(15, checkpoint), LoaderStatsMonitor()]
-    trainer = _trainer(max_epochs=2, callbacks=callbacks)
+    callbacks = [CheckpointAt(15, checkpoint), LoaderStatsMonitor()]
+    trainer = cpu_trainer(max_epochs=2, callbacks=callbacks)
     trainer.fit(full, datamodule=_Data())  # 12 batches an epoch: 3 batches into epoch 1
     assert len(full.seen) == 24
     shares = {k: v.item() for k, v in trainer.callback_metrics.items() if "source_share" in k}
@@ -71,5 +47,5 @@ def test_a_mix_in_a_datamodule_resumes_mid_epoch_and_logs_source_shares(tmp_path
     assert shares["data/source_share/web"] == 0.0
     assert shares["data/source_share/code"] == pytest.approx(0.5)
     resumed = _Module()
-    _trainer(max_epochs=2).fit(resumed, datamodule=_Data(), ckpt_path=checkpoint)
+    cpu_trainer(max_epochs=2).fit(resumed, datamodule=_Data(), ckpt_path=checkpoint)
     assert resumed.seen == full.seen[15:]

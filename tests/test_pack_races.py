@@ -182,17 +182,18 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+def _pack_in_a_process(start: list, source, target, *options: str) -> subprocess.CompletedProcess:
+    """``fastloader-pack SOURCE TARGET --workers 0 OPTIONS`` in a Python started with ``start``
+    (``-m fastloader.cli``, or a ``-c`` script that runs it), its output captured as text."""
+    command = [sys.executable, *start, str(source), str(target), "--workers", "0", *options]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
 @pytest.mark.parametrize("suffix", [".lmdb", ".h5"])
 def test_a_full_disk_is_one_line_naming_the_disk_and_the_space_needed(tmp_path, small_disk, suffix):
     source = _folder(tmp_path / "src", 40, size=128, noise=True)  # ~2 MiB of raw pixels
     target = small_disk / f"out{suffix}"
-    process = subprocess.run(
-        [sys.executable, "-m", "fastloader.cli", str(source), str(target), "--store", "raw"]
-        + ["--workers", "0", "-q"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    process = _pack_in_a_process(["-m", "fastloader.cli"], source, target, "--store", "raw", "-q")
     assert process.returncode == 1, process.stderr
     lines = process.stderr.strip().splitlines()
     assert len(lines) == 1, process.stderr
@@ -207,12 +208,7 @@ def test_a_disk_full_before_the_first_record_is_one_line_too(tmp_path, small_dis
     source = _folder(tmp_path / "src", 2)
     (small_disk / "filler").write_bytes(b"x" * (1 << 20))  # as much as fits
     target = small_disk / f"out{suffix}"
-    process = subprocess.run(
-        [sys.executable, "-m", "fastloader.cli", str(source), str(target), "--workers", "0"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    process = _pack_in_a_process(["-m", "fastloader.cli"], source, target)
     assert process.returncode == 1
     assert process.stderr.strip().splitlines() == [
         f"fastloader-pack: error: {target}: no space left on {small_disk} (tmpfs): it is full, "
@@ -232,13 +228,7 @@ def test_a_file_size_limit_is_one_line_and_leaves_no_file(tmp_path):
         "from fastloader.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
-    process = subprocess.run(
-        [sys.executable, "-c", script, str(source), str(target), "--store", "raw"]
-        + ["--workers", "0", "-q"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    process = _pack_in_a_process(["-c", script], source, target, "--store", "raw", "-q")
     assert process.returncode == 1, process.stderr
     lines = process.stderr.strip().splitlines()
     assert len(lines) == 1 and "grew past the largest file allowed" in lines[0], process.stderr

@@ -17,27 +17,11 @@ from fastloader import DataLoader, ShardedDataset, ShardOrderSampler, cli, pack
 from fastloader.formats.records import PackError
 from fastloader.shards.stores import open_store, read_manifest
 from tests import _seaweed
+from tests.conftest import S3_BUCKET
 
 SEED = 3
-BUCKET = "fastloader-tests"
+BUCKET = S3_BUCKET  # the s3 fixture (tests/conftest.py) makes it
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="session")
-def s3(tmp_path_factory):
-    server = _seaweed.start(tmp_path_factory.mktemp("seaweed"))
-    saved = {name: os.environ.get(name) for name in server.env()}
-    os.environ.update(server.env())
-    try:
-        boto3.client("s3").create_bucket(Bucket=BUCKET)
-        yield server
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        _seaweed.stop(server)
 
 
 class Fields:

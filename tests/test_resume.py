@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from _datasets import RandomDraws
+from _states import VERSION_1_MID_EPOCH
 
 from fastloader import DataLoader
 
@@ -266,20 +267,9 @@ def test_at_an_epoch_boundary_the_settings_may_change():
     assert other.epoch == 1 and len(_rows(other)) == 50
 
 
-#: A state written by fastloader 0.1 in the middle of epoch 0, after 5 batches.
-_VERSION_1_MID_EPOCH = {
-    "fastloader_state_version": 1,
-    "seed": 3,
-    "epoch": 0,
-    "epoch_started": True,
-    "batches_consumed": 5,
-    "epoch_complete": False,
-}
-
-
 def test_version_1_state_mid_epoch_is_read_with_the_same_batch_size_and_a_warning():
     expected = _rows(_shuffled(8, 0))
-    legacy = dict(_VERSION_1_MID_EPOCH)
+    legacy = dict(VERSION_1_MID_EPOCH)
     resumed = _shuffled(8, 0)
     with pytest.warns(UserWarning, match="version-1"):
         resumed.load_state_dict(legacy)
@@ -291,7 +281,7 @@ def test_version_1_state_mid_epoch_is_refused_for_the_global_distributed_order()
 
     dataset = RandomDraws(100)
     sampler = ElasticDistributedSampler(dataset, 4, num_replicas=2, rank=0)
-    legacy = dict(_VERSION_1_MID_EPOCH)
+    legacy = dict(VERSION_1_MID_EPOCH)
     with pytest.raises(ValueError, match="version-1"):
         DataLoader(dataset, batch_size=4, sampler=sampler).load_state_dict(legacy)
 

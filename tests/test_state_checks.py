@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 from _datasets import CountingStream, RandomDraws
+from _states import VERSION_1_MID_EPOCH
 from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
 
 from fastloader import DataLoader
@@ -170,14 +171,7 @@ def test_not_a_state_at_all_is_refused(state):
 
 
 def test_version_1_states_are_still_checked():
-    legacy = {
-        "fastloader_state_version": 1,
-        "seed": 3,
-        "epoch": 0,
-        "epoch_started": True,
-        "batches_consumed": 5,
-        "epoch_complete": False,
-    }
+    legacy = dict(VERSION_1_MID_EPOCH)
     validate_state(legacy)
     broken = copy.deepcopy(legacy)
     broken["batches_consumed"] = 2**64

@@ -37,6 +37,7 @@ from fastloader.shards.stores import is_url, open_store, read_manifest
 __all__ = ["ShardedDataset"]
 
 _DEFAULT_LANES, _DEFAULT_WINDOW = 8, 4  # what ShardOrderSampler takes by default
+_DEFAULT_CACHE = 4  # the default cache_limit: this many times the order's minimum
 
 
 class ShardedDataset(Dataset):
@@ -92,10 +93,15 @@ class ShardedDataset(Dataset):
         self.pack_options = pack_options
         self.open_shards = open_shards or lanes * window + 1
         self.cache: ShardCache | None = None
+        self.planned = False  # a ShardOrderSampler planned this rank's reads (plan_reads)
         if is_url(path_or_url) and self.store.local_path(self.manifest.shards[0].name) is None:
             biggest = max(s.bytes for s in self.manifest.shards)
             minimum = cache_minimum(biggest, len(self.manifest.shards), lanes, window, ahead)
-            limit = 4 * minimum if cache_limit is None else parse_size(cache_limit, "cache_limit")
+            limit = (
+                _DEFAULT_CACHE * minimum
+                if cache_limit is None
+                else parse_size(cache_limit, "cache_limit")
+            )
             self.cache = ShardCache(self.store, self.manifest, cache_dir, limit, minimum)
         self._reset()
 
@@ -234,6 +240,7 @@ class ShardedDataset(Dataset):
         if self.cache is not None and len(indices):
             shards = np.searchsorted(self._starts, indices, side="right") - 1
             self.cache.plan(shards, self.ahead)
+            self.planned = True  # for loader.stats: shards are downloaded ahead
 
     def reading_at(self, position: int) -> None:
         """How far this rank's order has been handed out (download-ahead follows it)."""
@@ -242,9 +249,35 @@ class ShardedDataset(Dataset):
 
     def cache_stats(self) -> Any:
         """The cache's counters over every process of this node that used it (``CacheStats``:
-        hits, misses, hit_rate, wait_seconds, downloads, bytes_downloaded, evictions), or None
-        for a folder read in place."""
+        hits, misses, hit_rate, wait_seconds, downloads, bytes_downloaded, requests, evictions),
+        or None for a folder read in place."""
         return None if self.cache is None else self.cache.node_stats()
+
+    def cache_counters(self) -> dict[str, Any] | None:
+        """What ``loader.stats`` reads of the cache (stats/downloads.py): each process's
+        counters by ``HOST-PID`` (cumulative) and the settings its advice names; None for a
+        folder read in place."""
+        if self.cache is None:
+            return None
+        sizes = [shard.bytes for shard in self.manifest.shards]
+        more = max(1, 2 * self.ahead)
+        minimum = [
+            cache_minimum(max(sizes), len(sizes), self.lanes, self.window, ahead)
+            for ahead in (self.ahead, more)
+        ]
+        return {
+            "url": self.url,
+            "processes": self.cache.process_stats(),
+            "ahead": self.ahead,
+            "cache_limit": self.cache.limit,
+            "cache_minimum": minimum[0],
+            "cache_default": _DEFAULT_CACHE * minimum[0],
+            "more_ahead": more,
+            "cache_minimum_more_ahead": minimum[1],
+            "shard_bytes": sum(sizes) / len(sizes),
+            "dataset_bytes": sum(sizes),
+            "planned": self.planned,
+        }
 
     def close(self) -> None:
         """Close every shard open in this process, and stop downloading ahead."""

@@ -141,11 +141,9 @@ class LMDBFileDataset(_SampleTransforms, LMDBFile, Dataset):
         transform: applied to each decoded sample.
 
     Raises:
-        FileNotFoundError: if ``path`` does not exist.
-        PackError: naming the environment if it is damaged or not LMDB, its main database
-            has dupsort or integer keys; when reading, if it changed since.
-        KeyError: if a key of ``keys`` is not in it, or names a sub-database.
-        TypeError: if a key of ``keys`` is neither bytes nor str.
+        FileNotFoundError, PackError, KeyError, TypeError: as ``LMDBFile`` (the torch-free
+            reader, formats/lmdb_foreign.py) for ``path``, the environment and ``keys``;
+            PackError also when reading, naming the environment, if it changed since.
     """
 
     def __init__(

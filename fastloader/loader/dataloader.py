@@ -34,6 +34,7 @@ from fastloader.sampling.samplers import (
     record_set_epoch,
     samplers_with_set_epoch,
 )
+from fastloader.stats.downloads import cached_sources
 from fastloader.stats.settings import loader_settings
 from fastloader.stats.timing import LoaderStats, epoch_length
 
@@ -262,7 +263,7 @@ class DataLoader(TorchDataLoader[T_co]):
     def __iter__(self) -> Iterator[Any]:
         """One epoch: torch's iterator class (``_BaseDataLoaderIter``), kept across epochs."""
         epoch, skip = self._cursor.begin(self._take_epoch_request())
-        self.stats.start_epoch(epoch)
+        self.stats.start_epoch(epoch, cached_sources(self.dataset))
         # torch draws a worker base seed from the global generator for every new iterator;
         # samples are seeded from (seed, epoch, index) instead, so keep the user's stream intact.
         with torch.random.fork_rng(devices=[]):

@@ -31,8 +31,10 @@ One folder per sharded pack, ``CACHE_DIR/<hash of the URL>/``, marked as ours by
   of a large shard itself in parallel ranges (NOTE [ Parallel ranged GETs ] in s3.py). How
   deep: NOTE [ How far ahead ].
 * Counters: each process writes its ``CacheStats`` (readers' hits and misses, seconds readers
-  waited, downloads and bytes, evictions) to ``.stats/HOST-PID.json``; ``node_stats`` adds up
-  every process's (workers included).
+  waited, downloads, bytes and requests, evictions) to ``.stats/HOST-PID.json``;
+  ``process_stats`` reads each process's, ``node_stats`` adds them up (workers included).
+  ``requests`` are the store's requests made by this process since its cache was made (a
+  store without a ``requests`` counter counts none).
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ class CacheStats:
     misses: int = 0
     wait_seconds: float = 0.0
     evictions: int = 0
+    requests: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -188,6 +191,7 @@ class ShardCache:
         self._pid = os.getpid()
         self.plan_error: BaseException | None = None
         self._published = -2.0
+        self._requests_at_start = getattr(self.store, "requests", 0)
 
     def __getstate__(self) -> dict[str, Any]:
         keep = ("store", "limit", "shards", "sizes", "folder")
@@ -254,6 +258,7 @@ class ShardCache:
         if not force and now - self._published < 1.0:
             return
         self._published = now
+        self.stats.requests = getattr(self.store, "requests", 0) - self._requests_at_start
         folder = self.folder / ".stats"
         with contextlib.suppress(OSError):
             folder.mkdir(exist_ok=True)
@@ -262,13 +267,20 @@ class ShardCache:
             temp.write_text(json.dumps(asdict(self.stats)))
             os.replace(temp, target)
 
+    def process_stats(self) -> dict[str, CacheStats]:
+        """Each process's counters (cumulative) by ``HOST-PID``, as last written."""
+        found = {}
+        for path in (self.folder / ".stats").glob("*.json"):
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                found[path.stem] = CacheStats(**json.loads(path.read_text()))
+        return found
+
     def node_stats(self) -> CacheStats:
         """The counters of every process that used this cache folder, added up (cumulative)."""
         total = CacheStats()
-        for path in (self.folder / ".stats").glob("*.json"):
-            with contextlib.suppress(OSError, ValueError, TypeError):
-                for name, value in json.loads(path.read_text()).items():
-                    setattr(total, name, getattr(total, name) + value)
+        for stats in self.process_stats().values():
+            for name, value in asdict(stats).items():
+                setattr(total, name, getattr(total, name) + value)
         return total
 
     def _present(self, path: Path, shard: Shard) -> bool:

@@ -43,6 +43,7 @@ EXTRA = "pip install 'fastloader[remote]'"
 _CLIENTS: dict[tuple, Any] = {}  # (pid, endpoint, retries, timeout) -> this process's client
 _CHUNK = 8 << 20
 _RANGE_MIN = 8 << 20  # bytes of a range at least: NOTE [ Parallel ranged GETs ]
+_COUNTING = threading.Lock()  # S3Store.requests
 
 
 def _forget_clients() -> None:
@@ -97,6 +98,7 @@ class S3Store:
         self.endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
         self.retries, self.timeout = retries, timeout
         self.ranges, self.range_min = max(1, int(ranges)), max(1, int(range_min))
+        self.requests = 0  # requests this process made through this store (the cache's stats)
 
     def __repr__(self) -> str:
         return f"S3Store({self.url!r}, endpoint_url={self.endpoint_url!r})"
@@ -137,6 +139,8 @@ class S3Store:
         """``client.method(**kwargs)`` with errors that name the object, never credentials."""
         from botocore import exceptions
 
+        with _COUNTING:  # ranges of one shard call from several threads
+            self.requests += 1
         try:
             return getattr(self._client(), method)(Bucket=self.bucket, **kwargs)
         except exceptions.NoCredentialsError:

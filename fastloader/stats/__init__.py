@@ -3,7 +3,8 @@
 Runs in the main (training) process. ``timing.py`` (LoaderStats, timed_iter: the per-batch
 clock), ``epoch.py`` (EpochStats: one epoch's figures), ``diagnosis.py`` (NOTE [ The diagnosis ]:
 figures -> the one next step), ``settings.py`` (the loader's settings the advice depends on),
-``batch_size.py`` (samples in a batch), ``io_probe.py`` (bytes a process read from storage).
+``batch_size.py`` (samples in a batch), ``io_probe.py`` (bytes a process read from storage),
+``downloads.py`` (NOTE [ Download stats ]: an epoch's shard downloads, waits and requests).
 
 May import: the standard library, torch, and of fastloader only ``formats/`` (the memory the
 page cache may use).

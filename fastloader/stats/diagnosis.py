@@ -46,6 +46,9 @@ only advice that would change the numbers, else says "nothing to change" and why
   prefetch_factor" but ``num_workers=0``; and with ``num_workers=0``, batches that
   load faster than a worker's would be received (``HANDOVER_S``): nothing to change (not
   "add workers", which would send the user back);
+- readers waiting for shard downloads (a ``ShardedDataset`` of a URL): the one option that
+  changes that wait (shard size, ``cache_limit``, ``ahead``), NOTE [ Download stats ] in
+  stats/downloads.py;
 - reads from storage of data that fits in the page cache (``formats.advice.fits_in_memory``):
   a first read, nothing to change; only data bigger than that memory gets "does not fit".
 Without settings (``timed_iter`` over another loader) the advice is the general one.
@@ -56,6 +59,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastloader.formats.advice import fits_in_memory
+from fastloader.stats.downloads import download_advice
 
 #: Training is called input-bound when it waits for data more than this fraction of an epoch.
 INPUT_BOUND_THRESHOLD = 0.10
@@ -88,6 +92,10 @@ def next_step(stats: Any) -> str:
     if not stats.input_bound:
         return "nothing to change: the loader keeps up; the model is the bottleneck, not data"
     settings = getattr(stats, "settings", None)
+    downloads = getattr(stats, "downloads", None)
+    advice = None if downloads is None else download_advice(stats, downloads)
+    if advice is not None:  # NOTE [ Download stats ] in stats/downloads.py
+        return advice
     if stats.io_note is not None:
         return _io_advice(stats, settings)
     parts = {

@@ -41,6 +41,9 @@ class EpochStats:
             workers (None when they do not report it).
         settings: the loader's ``LoaderSettings`` (stats/settings.py) when the loader gave
             them: the diagnosis then advises only what would change the numbers.
+        downloads: for a dataset that downloads shards (``ShardedDataset`` of a URL), the
+            epoch's ``DownloadStats`` (stats/downloads.py: waits for downloads, bytes,
+            requests, hit rate), set when the epoch ends; None otherwise.
     """
 
     epoch: int
@@ -58,6 +61,7 @@ class EpochStats:
     worker_busy_s: float | None = None
     io_note: str | None = None
     settings: Any = None
+    downloads: Any = None
     # the clock is looked up at each call, so a test can drive it (tests/test_stats.py)
     _started_at: float = dataclasses.field(default_factory=lambda: time.perf_counter(), repr=False)
     _busy: Any = dataclasses.field(default=None, repr=False)  # workers' shared array, running
@@ -67,6 +71,8 @@ class EpochStats:
     # a Mix's samples per source delivered in this epoch, computed when asked (loader/mixing.py)
     source_counts: Any = dataclasses.field(default=None, repr=False)
     _ended_at: float | None = dataclasses.field(default=None, repr=False)
+    _caches: tuple = dataclasses.field(default=(), repr=False)  # datasets with a shard cache
+    _caches_before: Any = dataclasses.field(default=None, repr=False)  # their counters at start
 
     @property
     def wall_s(self) -> float:
@@ -167,6 +173,8 @@ class EpochStats:
         busy = self.worker_busy_fraction
         if busy is not None:
             details.append(f"{self.workers} workers busy {100 * busy:.0f}%")
+        if self.downloads is not None:
+            details.append(self.downloads.summary())
         shares = self.source_shares
         if shares:
             details.append("sources " + " ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items()))
@@ -214,4 +222,5 @@ class EpochStats:
             "input_bound": self.input_bound,
             "next_step": self.next_step(),
             "sources": self.sources,
+            "downloads": None if self.downloads is None else self.downloads.as_dict(),
         }

@@ -26,6 +26,7 @@ import torch
 
 from fastloader.stats.batch_size import batch_size
 from fastloader.stats.diagnosis import INPUT_BOUND_THRESHOLD
+from fastloader.stats.downloads import epoch_downloads, snapshot
 from fastloader.stats.epoch import EpochStats
 from fastloader.stats.io_probe import io_verdict, sum_counters
 
@@ -63,12 +64,21 @@ class LoaderStats:
                 return epoch
         return None
 
-    def start_epoch(self, epoch: int) -> None:
-        """Start recording epoch ``epoch`` (closing a running one as incomplete)."""
+    def start_epoch(self, epoch: int, sources: Sequence[Any] = ()) -> None:
+        """Start recording epoch ``epoch`` (closing a running one as incomplete).
+
+        Args:
+            epoch: the epoch number.
+            sources: the datasets that download shards to a cache
+                (``stats.downloads.cached_sources``): the epoch counts their downloads.
+        """
         if self._current is not None:
             self._close(complete=False)
         self._closed_by_count = None
         self._current = EpochStats(epoch=epoch)
+        if sources:
+            self._current._caches = tuple(sources)
+            self._current._caches_before = snapshot(sources)
         self.epochs.append(self._current)
         self._last_handout = None
         self._expected = None
@@ -225,6 +235,13 @@ class LoaderStats:
             delta = sum_counters(stats._pids) - stats._io_before
             wall = end - stats._started_at
             stats.io_note = io_verdict(delta, stats.samples, wall, len(stats._pids))
+        if stats._caches_before:  # NOTE [ Download stats ] in stats/downloads.py
+            after = snapshot(stats._caches)
+            wall = end - stats._started_at
+            loaders = stats.workers or 1
+            stats.downloads = epoch_downloads(
+                stats._caches_before, after, stats._pids, wall, loaders
+            )
         stats.worker_busy_s = stats._busy_s()
         stats._busy = None
         stats._ended_at = end
