@@ -59,7 +59,7 @@ def parse_args() -> argparse.Namespace:
 def build(args: argparse.Namespace, distributed: bool, rank: int) -> tuple:
     """The sharded dataset (packed first with ``--pack``), its loader, a model, an optimizer."""
     if args.pack and rank == 0:
-        fastloader.pack(Tiny(), args.url, shard_size="8KB", workers=0, overwrite=True)
+        fastloader.pack(Tiny(), args.url, shard_size="40KB", workers=0, overwrite=True)
     if distributed:
         dist.barrier()
     ds = fastloader.ShardedDataset(args.url, cache_dir=args.cache, cache_limit="50MB", lanes=6)
