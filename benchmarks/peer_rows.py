@@ -29,7 +29,7 @@ from typing import Any
 
 from benchmarks import column_packs, peer_litdata, peer_mds
 from benchmarks._stats import paired_ratio
-from benchmarks.peer_samples import count_key, epoch_digest, file_digest, timed_epoch
+from benchmarks.peer_samples import epoch_digest, file_digest, timed_epoch
 
 PEERS: dict[str, tuple[str, Callable[[dict], Any], str]] = {  # key: (row name, class, install)
     "litdata": (peer_litdata.NAME, peer_litdata.LitdataPeer, peer_litdata.INSTALL),
@@ -76,7 +76,7 @@ def _failed(error: BaseException) -> str:
     return f"failed: {type(error).__name__}: {str(error)[:300]}"
 
 
-def _build_peers(source: Path, workdir: Path, count: int, shard: str) -> dict[str, Any]:
+def build_peers(source: Path, workdir: Path, count: int, shard: str) -> dict[str, Any]:
     """Each peer's copy of the file's rows: key -> folder, or the reason there is none."""
     built: dict[str, Any] = {}
     stem = source.stem
@@ -154,7 +154,7 @@ def any_sample(size: str, workdir: Path) -> dict:
     count, rounds, batches, workers = column_packs.SIZES[size]
     source = column_packs.make_pose64(workdir / f"pose64-{count}.h5", count)
     packs = column_packs._packs(source, workdir, f"pose64-{count}", ("columns",))
-    built = _build_peers(source, workdir, count, "64MB")
+    built = build_peers(source, workdir, count, "64MB")
     expected = file_digest(source)
     fields = tuple(sorted(_fields(source)))
     rows, ratios = [], {}
@@ -175,7 +175,7 @@ def any_sample(size: str, workdir: Path) -> dict:
                 factories[name] = (
                     (lambda c=common, p=peer, w=where: p({**c, "local": str(w)}))
                     if isinstance(where, Path)
-                    else _raiser(where)
+                    else unavailable(where)
                 )
             config_rows, rates = _config_rows(factories, rounds, expected)
             for row in config_rows:
@@ -198,8 +198,10 @@ def _fields(source: Path) -> list[str]:
         return list(file)
 
 
-def _raiser(reason: str) -> Callable[[], Any]:
-    def factory() -> Any:
+def unavailable(reason: str) -> Callable[..., Any]:
+    """A loader factory that raises ``reason`` (a peer with no copy of the samples)."""
+
+    def factory(*_: Any) -> Any:
         raise Unavailable(reason)
 
     return factory

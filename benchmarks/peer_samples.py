@@ -95,15 +95,6 @@ def file_digest(path: Path) -> tuple[int, str]:
     return count, f"{total:016x}"
 
 
-def count_key(path: Path) -> tuple[int, str]:
-    """(rows, the first field's name) of the HDF5 file: what an epoch's batches are counted by."""
-    import h5py
-
-    with h5py.File(path, "r") as file:
-        key = sorted(file)[0]
-        return len(file[key]), key
-
-
 def timed_epoch(loader: Any, key: str) -> tuple[int, float]:
     """(samples, seconds) of one epoch of ``loader``, counting ``key``'s entries per batch."""
     started = time.perf_counter()
