@@ -150,7 +150,7 @@ def _rows(factories: dict, checks: dict, rates: dict) -> tuple[list[dict], dict]
             mine = [r[index] for r in rates[OURS]]
             theirs = [r[index] for r in rates[name]]
             ratio = round(paired_ratio(mine, theirs), 2)
-            ours[f"ours_over_{key}_{epoch}"] = ratio
+            ours[f"vs_{key}_{epoch}"] = ratio
             ratios[f"s3 {epoch} epoch ours over {key}"] = ratio
     return rows, ratios
 

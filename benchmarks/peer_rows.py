@@ -10,7 +10,7 @@ row that says how to install it; one that fails gives a row with its error.
 - ``any_sample``: the pose samples of benchmarks/column_packs.py (64x64x3 uint8 image, 17x2
   float32 keypoints, a name) from the file itself and from its LMDB and HDF5 column packs,
   against litdata and MDS over local folders; batches of 64 and 256, 0 and 2 workers.
-  ``ours_over_<peer>``: median of per-round ratios (goal vs MDS: >= 5x).
+  ``vs_<peer>`` on our rows: ours over the peer, median of per-round ratios (goal vs MDS: >= 5x).
 - ``remote``: 64x64x3 images and a label on a SeaweedFS server on loopback; per round and
   source a fresh cache, the first epoch (cold) and second (warm) of one loader; litdata and MDS
   get the cache limit fastloader's ``ShardedDataset`` takes by default, and shards of the same
@@ -186,7 +186,8 @@ def any_sample(size: str, workdir: Path) -> dict:
         f"peers: {count} pose samples (64x64x3 uint8, 17x2 float32, a name) from one HDF5 file; "
         "litdata optimize() (64 MB chunks) and MDS (64 MB shards) of its rows, read from local "
         f"folders; {rounds} interleaved rounds after a checksum epoch; samples_match: the "
-        "epoch's order-free checksum equals the file's; ours_over_*: median per-round ratio"
+        "epoch's order-free checksum equals the file's; vs_<peer>: ours over the peer, median "
+        "per-round ratio"
     ]
     return {"rows": rows, "ratios": ratios, "notes": notes}
 
@@ -208,13 +209,13 @@ def unavailable(reason: str) -> Callable[..., Any]:
 
 
 def _ratios(rows: list[dict], rates: dict, ours: list[str], suffix: str, ratios: dict) -> None:
-    """Adds ``ours_over_<peer>`` to each of our rows and to ``ratios``."""
+    """Adds ``vs_<peer>`` (ours over the peer) to each of our rows, and to ``ratios``."""
     for key, (peer, _, _) in PEERS.items():
         if peer not in rates:
             continue
         for row in rows:
             if row["reader"] in ours and row["reader"] in rates:
                 ratio = round(paired_ratio(rates[row["reader"]], rates[peer]), 2)
-                row[f"ours_over_{key}"] = ratio
+                row[f"vs_{key}"] = ratio
                 backend = row["reader"].split()[0].lower()
                 ratios[f"peers_{backend}_pack_over_{key}_{suffix}"] = ratio
