@@ -145,7 +145,7 @@ def run(size: str, workdir: Path) -> dict:
         rows += result["rows"]
         ratios.update(result["ratios"])
         notes += result["notes"]
-    peers = peer_rows.any_sample(size, workdir)  # issue 38: litdata and MDS beside our packs
+    peers = peer_rows.guarded(peer_rows.any_sample, size, workdir)  # issue 38: peers
     ratios.update(peers["ratios"])
     notes += peers["notes"]
     packed = _packed_vs_mds(path, workdir, count, rounds)

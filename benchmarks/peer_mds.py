@@ -25,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ INSTALL = (
     "and transformers in VENV (docs/benchmarks.md, Peers); FASTLOADER_MDS_PYTHON=VENV/bin/python"
 )
 NAME = "MosaicML MDS StreamingDataset, torch DataLoader"
+TIMEOUT = 900  # seconds one command (an epoch, or making the loader) may take
 COLUMNS = {"uint8": "ndarray:uint8", "float32": "ndarray:float32", "float64": "ndarray:float64"}
 
 
@@ -68,6 +70,14 @@ class MDSPeer:
         if command is not None:
             self.process.stdin.write(command + "\n")
             self.process.stdin.flush()
+        watchdog = threading.Timer(TIMEOUT, self.process.kill)  # a hung peer: its row fails
+        watchdog.start()
+        try:
+            return self._answer(command)
+        finally:
+            watchdog.cancel()
+
+    def _answer(self, command: str | None) -> dict:
         while True:
             line = self.process.stdout.readline()
             if not line:

@@ -19,7 +19,6 @@ row that says how to install it; one that fails gives a row with its error.
 
 from __future__ import annotations
 
-import os
 import shutil
 import statistics
 import traceback
@@ -35,7 +34,6 @@ PEERS: dict[str, tuple[str, Callable[[dict], Any], str]] = {  # key: (row name, 
     "litdata": (peer_litdata.NAME, peer_litdata.LitdataPeer, peer_litdata.INSTALL),
     "mds": (peer_mds.NAME, peer_mds.MDSPeer, peer_mds.INSTALL),
 }
-REMOTE_BATCH, REMOTE_WORKERS, REMOTE_SHARD = 64, 2, "4MB"
 
 
 class OurLoader:
@@ -70,9 +68,7 @@ def _failed(error: BaseException) -> str:
         return str(error)
     if isinstance(error, ImportError):
         return str(error) if str(error).startswith("not installed") else f"not installed: {error}"
-    (Path(os.environ.get("TMPDIR", "/tmp")) / "fastloader-peer-error.txt").write_text(
-        "".join(traceback.format_exception(error))
-    )
+    traceback.print_exception(error)  # the whole story on stderr, its gist in the row
     return f"failed: {type(error).__name__}: {str(error)[:300]}"
 
 
@@ -145,6 +141,15 @@ def _config_rows(
         }
         rows.append(row)
     return rows, rates
+
+
+def guarded(table: Callable[..., dict], *args: Any) -> dict:
+    """``table(*args)``, or a one-row table that says why it failed: a peer that crashes or
+    hangs (MDSPeer's timeout) costs its table, never the comparison's own rows."""
+    try:
+        return table(*args)
+    except Exception as error:  # noqa: BLE001 - the row says why
+        return {"rows": [{"reader": "peers", "note": _failed(error)}], "ratios": {}, "notes": []}
 
 
 def any_sample(size: str, workdir: Path) -> dict:
