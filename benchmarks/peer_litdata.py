@@ -4,8 +4,8 @@ litdata runs in the benchmark's own process (``pip install --no-deps litdata==0.
 install replaces torch with a CUDA build). Its copy of the samples is written by ``optimize()``
 from the HDF5 file every peer starts from (benchmarks/peer_samples.py); it is read by
 ``StreamingDataset`` + ``StreamingDataLoader`` (persistent workers, made once) from a local
-folder or from S3 (``storage_options={"endpoint_url": ...}``; without ``obstore`` installed
-litdata gets objects with boto3, its own fallback).
+folder or from S3 (``storage_options={"endpoint_url": ...}``; with ``obstore`` installed litdata
+fetches chunks with it, else with boto3: NOTE [ litdata's obstore over http:// ]).
 """
 
 from __future__ import annotations
@@ -58,6 +58,25 @@ def build(source: Path, out: Path, count: int, chunk_bytes: str = "64MB") -> Non
         )
 
 
+def _allow_http(endpoint: str) -> None:
+    """Lets litdata's obstore path reach a plain-HTTP endpoint (the loopback test server).
+
+    NOTE [ litdata's obstore over http:// ]
+    litdata 0.2.76 fetches chunks with obstore when it is installed (its fast path, and its
+    declared dependency), else with boto3. obstore refuses ``http://`` unless its client
+    options allow it, and litdata takes those options from a module constant, not from
+    ``storage_options``; so for an ``http://`` endpoint the benchmark adds ``allow_http`` to
+    that constant (a peer's internals, touched here only).
+    """
+    if not endpoint.startswith("http://"):
+        return
+    from litdata.streaming import downloader
+
+    options = getattr(downloader, "_OBSTORE_CLIENT_OPTIONS", None)
+    if isinstance(options, dict):
+        options["allow_http"] = "true"
+
+
 class LitdataPeer:
     """One litdata loader; ``epoch()`` and ``digest()`` as MDSPeer's."""
 
@@ -68,6 +87,7 @@ class LitdataPeer:
 
         options: dict[str, Any] = {"shuffle": True}
         if config.get("remote"):
+            _allow_http(config["endpoint"])
             options.update(
                 cache_dir=config["local"],
                 max_cache_size=config.get("cache_limit"),
