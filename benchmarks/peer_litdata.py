@@ -1,8 +1,9 @@
 """litdata as a peer row: ``optimize()`` of the same samples, read by its ``StreamingDataset``.
 
 litdata runs in the benchmark's own process (``pip install --no-deps litdata==0.2.76
-obstore==0.12.1``: a plain install replaces torch with a CUDA build). Its copy of the samples is written by ``optimize()``
-from the HDF5 file every peer starts from (benchmarks/peer_samples.py); it is read by
+obstore==0.12.1``: a plain install replaces torch with a CUDA build). Its copy of the samples
+is written by ``optimize()`` from the HDF5 file every peer starts from
+(benchmarks/peer_samples.py); it is read by
 ``StreamingDataset`` + ``StreamingDataLoader`` (persistent workers, made once) from a local
 folder or from S3 (``storage_options={"endpoint_url": ...}``; with ``obstore`` installed litdata
 fetches chunks with it, else with boto3: NOTE [ litdata's obstore over http:// ]).
