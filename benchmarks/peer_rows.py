@@ -8,8 +8,9 @@ whether a row read exactly the file's samples, each once. A peer that does not i
 row that says how to install it; one that fails gives a row with its error.
 
 - ``any_sample``: the pose samples of benchmarks/column_packs.py (64x64x3 uint8 image, 17x2
-  float32 keypoints, a name) from the file itself and from its LMDB and HDF5 column packs,
-  against litdata and MDS over local folders; batches of 64 and 256, 0 and 2 workers.
+  float32 keypoints, a name) and of benchmarks/any_sample.py (40x40x3 image and three more
+  fields), each from the file itself and from its LMDB and HDF5 column packs, against litdata
+  and MDS over local folders; batches of 64 and 256, 0 and 2 workers.
   ``vs_<peer>`` on our rows: ours over the peer, median of per-round ratios (goal vs MDS: >= 5x).
 - ``remote``: 64x64x3 images and a label on a SeaweedFS server on loopback; per round and
   source a fresh cache, the first epoch (cold) and second (warm) of one loader; litdata and MDS
@@ -154,15 +155,38 @@ def guarded(table: Callable[..., dict], *args: Any) -> dict:
 
 def any_sample(size: str, workdir: Path) -> dict:
     """The ``any_sample`` peer table: rows, ratios, notes (see the module docstring)."""
+    from benchmarks.any_sample import make_pose_file  # here: any_sample imports this module
+
+    count, rounds, _, _ = column_packs.SIZES[size]
+    sets = (  # (label, file): the issue's pose samples, then any_sample's own (issue 18)
+        ("pose 64x64x3", column_packs.make_pose64(workdir / f"pose64-{count}.h5", count)),
+        ("pose 40x40x3, 4 fields", make_pose_file(workdir / f"pose-{count}.h5", count)),
+    )
+    rows, ratios = [], {}
+    for label, source in sets:
+        for row in _pose_table(source, size, workdir, ratios):
+            rows.append({"samples": label, **row})
+    notes = [
+        f"peers: {count} samples of each pose file (64x64x3 uint8, 17x2 float32, a name; "
+        "40x40x3 uint8, 14x2 float32, 14x3 float64, a name), each from one HDF5 file: read in "
+        "place, from its LMDB and HDF5 column packs, from litdata optimize() (64 MB chunks) and "
+        f"MDS (64 MB shards) of its rows, all local folders; {rounds} interleaved rounds after a "
+        "checksum epoch; samples_match: the epoch's order-free checksum equals the file's; "
+        "vs_<peer>: ours over the peer, median per-round ratio"
+    ]
+    return {"rows": rows, "ratios": ratios, "notes": notes}
+
+
+def _pose_table(source: Path, size: str, workdir: Path, ratios: dict) -> list[dict]:
+    """One pose file's rows: in place, its column packs and the peers, every configuration."""
     import fastloader
 
-    count, rounds, batches, workers = column_packs.SIZES[size]
-    source = column_packs.make_pose64(workdir / f"pose64-{count}.h5", count)
-    packs = column_packs._packs(source, workdir, f"pose64-{count}", ("columns",))
-    built = build_peers(source, workdir, count, "64MB")
+    _, rounds, batches, workers = column_packs.SIZES[size]
+    packs = column_packs._packs(source, workdir, source.stem, ("columns",))
+    built = build_peers(source, workdir, len(fastloader.HDF5Dataset(source)), "64MB")
     expected = file_digest(source)
     fields = tuple(sorted(_fields(source)))
-    rows, ratios = [], {}
+    rows = []
     for batch in batches:
         for worker_count in workers:
             common = {"batch": batch, "workers": worker_count, "fields": fields}
@@ -185,16 +209,10 @@ def any_sample(size: str, workdir: Path) -> dict:
             config_rows, rates = _config_rows(factories, rounds, expected)
             for row in config_rows:
                 row.update(batch=batch, workers=worker_count)
-            _ratios(config_rows, rates, list(packs), f"b{batch}_w{worker_count}", ratios)
+            suffix = f"{source.stem.split('-')[0]}_b{batch}_w{worker_count}"
+            _ratios(config_rows, rates, list(packs), suffix, ratios)
             rows += config_rows
-    notes = [
-        f"peers: {count} pose samples (64x64x3 uint8, 17x2 float32, a name) from one HDF5 file; "
-        "litdata optimize() (64 MB chunks) and MDS (64 MB shards) of its rows, read from local "
-        f"folders; {rounds} interleaved rounds after a checksum epoch; samples_match: the "
-        "epoch's order-free checksum equals the file's; vs_<peer>: ours over the peer, median "
-        "per-round ratio"
-    ]
-    return {"rows": rows, "ratios": ratios, "notes": notes}
+    return rows
 
 
 def _fields(source: Path) -> list[str]:
@@ -223,4 +241,6 @@ def _ratios(rows: list[dict], rates: dict, ours: list[str], suffix: str, ratios:
                 ratio = round(paired_ratio(rates[row["reader"]], rates[peer]), 2)
                 row[f"vs_{key}"] = ratio
                 backend = row["reader"].split()[0].lower()
-                ratios[f"peers_{backend}_pack_over_{key}_{suffix}"] = ratio
+                ratios[f"peers_{backend}_pack_over_{key}_{suffix}"] = (
+                    ratio  # suffix: file, batch, workers
+                )
