@@ -36,7 +36,7 @@ import numpy as np
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset
 
-from benchmarks import column_packs
+from benchmarks import column_packs, peer_rows
 from benchmarks._stats import paired_ratio
 from benchmarks.formats import close_loader
 
@@ -145,13 +145,16 @@ def run(size: str, workdir: Path) -> dict:
         rows += result["rows"]
         ratios.update(result["ratios"])
         notes += result["notes"]
+    peers = peer_rows.guarded(peer_rows.any_sample, size, workdir)  # issue 38: peers
+    ratios.update(peers["ratios"])
+    notes += peers["notes"]
     packed = _packed_vs_mds(path, workdir, count, rounds)
     if packed is None:
         notes.append("MDS comparison skipped: mosaicml-streaming is not installed")
     else:
         rows += packed["rows"]
         ratios.update(packed["ratios"])
-    return {"rows": rows, "ratios": ratios, "notes": notes}
+    return {"rows": rows, "peer_rows": peers["rows"], "ratios": ratios, "notes": notes}
 
 
 def _hdf5_in_place(path: Path, batch: int, rounds: int) -> tuple[list[dict], dict]:

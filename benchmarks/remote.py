@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import peer_remote, peer_rows
 from fastloader import DataLoader, ShardedDataset, open_pack, pack
 from fastloader.sampling.shard_order import shard_epoch_order
 
@@ -260,4 +261,7 @@ def run(size: str, workdir: Path) -> dict:
     }
     if skipped:
         result["notes"].append(skipped)
+    peers = peer_rows.guarded(peer_remote.remote, _Images(samples), rounds, workdir)  # peers
+    result.update(peer_rows=peers["rows"], ratios={**result["ratios"], **peers["ratios"]})
+    result["notes"] += peers["notes"]
     return result

@@ -163,3 +163,46 @@ def test_transport_comparison_runs_tiny(tmp_path: Path) -> None:
         for column in columns:
             assert math.isfinite(row[column]) and row[column] >= 0, (row, column)
     assert math.isfinite(result["ratios"]["pose64_2w_vs_fastloader_0w"])
+
+
+def test_a_missing_peer_gives_a_row_that_says_how_to_install_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without litdata or MosaicML streaming the peer table still has their rows, each saying
+    how to install the peer, and fastloader's rows read exactly the file's samples."""
+    from benchmarks import peer_litdata, peer_rows
+
+    monkeypatch.setattr(peer_litdata, "available", lambda: False)
+    monkeypatch.setenv("FASTLOADER_MDS_PYTHON", str(tmp_path / "no-such-venv" / "python"))
+    result = peer_rows.any_sample("tiny", tmp_path)
+    files = {row["samples"] for row in result["rows"]}
+    assert len(files) == 2  # the issue's pose samples and any_sample's own
+    for reader, _, install in peer_rows.PEERS.values():
+        peer = [row for row in result["rows"] if row["reader"] == reader]
+        assert len(peer) == len(files) and all(row["note"] == install for row in peer), reader
+        assert all(row["samples_per_s"] is None for row in peer)
+        assert install.startswith("not installed: ") and "pip install" in install
+    ours = [row for row in result["rows"] if "note" not in row]
+    assert len(ours) == 3 * len(files) and all(row["samples_match"] is True for row in ours)
+    assert not any("_over_" in key for key in result["ratios"])  # no peer, no ratio
+
+
+def test_epoch_checksum_ignores_order_but_not_bytes_or_repeats() -> None:
+    """The peer rows' honesty check: any order of the same samples gives the file's checksum;
+    a changed byte, a repeated or a missing sample does not."""
+    from benchmarks.peer_samples import epoch_digest
+
+    images = np.arange(4 * 3, dtype=np.uint8).reshape(4, 3)
+    names = ["a", "b", "c", "d"]
+
+    def batches(order: list[int], image: np.ndarray = images) -> list[dict]:
+        return [{"image": torch.from_numpy(image[order]), "name": [names[i] for i in order]}]
+
+    fields = ("image", "name")
+    expected = epoch_digest(batches([0, 1, 2, 3]), fields)
+    assert epoch_digest(batches([3, 1, 0, 2]), fields) == expected
+    flipped = images.copy()
+    flipped[2, 1] ^= 1
+    assert epoch_digest(batches([0, 1, 2, 3], flipped), fields) != expected
+    assert epoch_digest(batches([0, 1, 2, 2]), fields) != expected
+    assert epoch_digest(batches([0, 1, 2]), fields)[0] == 3
