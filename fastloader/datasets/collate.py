@@ -202,23 +202,34 @@ def _collate_columns(batch: ColumnBatch) -> dict[str, Any]:
 def _whole_tensor(column: Any) -> torch.Tensor:
     """A ``ColumnBatch`` column as its batch tensor: mapped rows gathered straight into it
     (NOTE [ Gathered into the batch tensor ]), an array wrapped (no copy)."""
-    if type(column) is not MappedRows or not column.dtype.isnative:
-        return torch.from_numpy(gathered(column))
-    dtype = _TORCH_DTYPES.get(column.dtype) or _dtype(column.dtype)
-    out = torch.empty(column.shape, dtype=dtype)
-    column.into(out.numpy())
-    return out
+    if type(column) is not MappedRows:
+        return torch.from_numpy(column)
+    out = np.empty(column.shape, column.dtype)
+    source = _address(column.source)
+    if 0 < (_address(out) - source) % _PAGE < _ALIASED:  # moved to the source's alignment
+        spare = np.empty(column.nbytes + _PAGE, np.uint8)
+        at = (source - _address(spare)) % _PAGE
+        out = spare[at : at + column.nbytes].view(column.dtype).reshape(column.shape)
+    column.into(out)
+    return torch.from_numpy(out)
 
+
+def _address(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]
+
+
+_PAGE, _ALIASED = 4096, 64
 
 # NOTE [ Gathered into the batch tensor ]
 # In the main process a mapped field's rows are gathered by ``np.take`` straight into a new
-# torch tensor, not by NumPy's fancy index into a NumPy array then wrapped: ``take`` copies
-# row by row without an index buffer (pose images of 64: 84 against 97 us), and torch
-# allocates at 64-byte alignment. A destination whose address lies 8-24 bytes past the
-# source's (modulo 4096) makes every row's copy stall on 4K aliasing, 5x slower (measured 450
-# against 85 us): a fresh NumPy array of this size starts 16 bytes into a page, a pack's data
-# often at 0 (HDF5) or 16 (LMDB) bytes. A 64-aligned destination never lies 8-24 bytes past a
-# source 16-aligned or page-aligned.
+# array that becomes the batch tensor (``from_numpy``, no copy), not by NumPy's fancy index:
+# ``take`` into an array made first copies row by row without an index buffer (pose images of
+# 64, interleaved: 0.67-0.84x the time of the fancy index; ``torch.empty`` as the destination
+# was slower than the fancy index, 1.1-1.9x, so the array is NumPy's). A destination whose
+# address lies 8-24 bytes past the source's (modulo 4096) makes each row's copy stall on 4K
+# aliasing, about 5x slower (450 against 85 us); a large NumPy array can start 16 bytes into
+# a page and a pack's data at a page's start (HDF5), so a destination 1-63 bytes past the
+# source is made again at the source's own offset in a page (a spare array, a page larger).
 
 
 def _collate_column(values: list) -> Any:
