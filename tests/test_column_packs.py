@@ -320,3 +320,31 @@ def test_a_name_that_is_not_utf8_raises_on_every_batch_read(tmp_path, suffix):
     for _ in range(2):  # not kept as a value: the same error on every read
         with pytest.raises(PackError, match=r"row 1: corrupt field 's' \(not UTF-8\)"):
             next(iter(DataLoader(dataset, batch_size=4, sampler=[0, 1, 2, 3])))
+
+
+@pytest.mark.parametrize(
+    ("flag", "version", "said"), [("columns", 5, "columns"), ("records", 4, "records")]
+)
+def test_the_pack_command_writes_the_layout_asked_and_info_says_it(
+    pose, tmp_path, capsys, flag, version, said
+):
+    from fastloader.cli import main
+
+    path = tmp_path / "pose.lmdb"
+    assert main([str(pose), str(path), "--layout", flag, "--quiet", "--workers", "0"]) == 0
+    assert read_metadata(path)["version"] == version
+    assert main(["--info", str(path)]) == 0
+    assert f"layout:   {said} " in capsys.readouterr().out
+    _assert_same_batch(
+        next(iter(DataLoader(LMDBDataset(path), batch_size=8))),
+        next(iter(DataLoader(HDF5Dataset(pose), batch_size=8))),
+    )
+
+
+def test_the_pack_command_refuses_an_unknown_layout_in_the_librarys_words(pose, tmp_path, capsys):
+    from fastloader.cli import main
+
+    assert main([str(pose), str(tmp_path / "pose.lmdb"), "--layout", "rows"]) == 2
+    err = capsys.readouterr().err
+    assert f"--layout must be one of {', '.join(column_layout.LAYOUTS)}, got 'rows'" in err
+    assert not (tmp_path / "pose.lmdb").exists()
