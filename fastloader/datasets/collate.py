@@ -27,6 +27,7 @@ raise an error that names them; a batch that stacks costs nothing extra.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -205,17 +206,33 @@ def _whole_tensor(column: Any) -> torch.Tensor:
     if type(column) is not MappedRows:
         return torch.from_numpy(column)
     out = np.empty(column.shape, column.dtype)
+    tensor = torch.from_numpy(out)
     source = _address(column.source)
-    if 0 < (_address(out) - source) % _PAGE < _ALIASED:  # moved to the source's alignment
+    if 0 < (tensor.data_ptr() - source) % _PAGE < _ALIASED:  # moved to the source's alignment
         spare = np.empty(column.nbytes + _PAGE, np.uint8)
         at = (source - _address(spare)) % _PAGE
         out = spare[at : at + column.nbytes].view(column.dtype).reshape(column.shape)
+        tensor = torch.from_numpy(out)
     column.into(out)
-    return torch.from_numpy(out)
+    return tensor
+
+
+#: id of a mapped source -> (a weak reference to it, its address): asked once per source
+#: (``__array_interface__`` costs 4 us, twice a column's ``from_numpy``)
+_ADDRESSES: dict[int, tuple[Any, int]] = {}
 
 
 def _address(array: np.ndarray) -> int:
-    return array.__array_interface__["data"][0]
+    known = _ADDRESSES.get(id(array))
+    if known is not None and known[0]() is array:
+        return known[1]
+    address = array.__array_interface__["data"][0]
+    if array.base is None:  # an array of its own (a spare): not kept
+        return address
+    if len(_ADDRESSES) >= 256:
+        _ADDRESSES.clear()
+    _ADDRESSES[id(array)] = (weakref.ref(array), address)
+    return address
 
 
 _PAGE, _ALIASED = 4096, 64
