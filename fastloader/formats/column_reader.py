@@ -23,16 +23,16 @@ those rows raises again.
 
 NOTE [ Text columns decoded once ]
 A str or bytes field stored NUL-padded (file names) is what the default collate makes a list
-of: one Python object per sample, which NumPy decodes 64 at a time in about 17 us a batch
-(a gather, ``astype`` to unicode, ``tolist``). A pack's bytes never change under a reader
-(they are checked, and a pack replaced is refused: NOTE [ Blocks checked once per process ]),
-so a process decodes each block of such a column once, after its checksum, into an object
-array; a batch is then one ``take`` of the objects it already holds (about 2 us for 64). The
-values are the ones decoded from the bytes, exactly (a value that is not UTF-8 is kept as a
-marker and raises as before, naming it, on every read). Only columns whose objects fit
-``TEXT_CACHE_BYTES`` per process (about 200 000 names of 16 characters) are kept; a larger
-one is decoded per batch. A user's file cannot do this: it may change under its reader
-(NOTE [ A file changed under a reader ]). The objects are made in the process that reads (each worker its
+of: one Python object per sample, which NumPy decodes 64 at a time in about 17 us a batch (a
+gather, ``astype`` to unicode, ``tolist``). A pack's bytes never change under a reader (they
+are checked, and a pack replaced is refused: NOTE [ Blocks checked once per process ]), so a
+process decodes each block of such a column once, after its checksum, into an object array; a
+batch is then one ``take`` of the objects it already holds (about 2 us for 64). The values are
+the ones decoded from the bytes, exactly (a value that is not UTF-8 is kept as a marker and
+raises as before, naming it, on every read). Only columns whose objects fit
+``TEXT_CACHE_BYTES`` per process (about 200 000 names of 16 characters) are kept; a larger one
+is decoded per batch. A user's file cannot do this: it may change under its reader (NOTE [ A
+file changed under a reader ]). The objects are made in the process that reads (each worker its
 own), so nothing is shared copy-on-write, and the cache grows only during the first epoch.
 """
 
