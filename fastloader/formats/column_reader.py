@@ -31,9 +31,10 @@ batch is then one ``take`` of the objects it already holds (about 2 us for 64). 
 the ones decoded from the bytes, exactly (a value that is not UTF-8 is kept as a marker and
 raises as before, naming it, on every read). Only columns whose objects fit
 ``TEXT_CACHE_BYTES`` per process (about 200 000 names of 16 characters) are kept; a larger one
-is decoded per batch. A user's file cannot do this: it may change under its reader (NOTE [ A
-file changed under a reader ]). The objects are made in the process that reads (each worker its
-own), so nothing is shared copy-on-write, and the cache grows only during the first epoch.
+is decoded per batch. A user's file cannot do this: it may change under its reader
+(NOTE [ A file changed under a reader ]). The objects are made in the process that reads (each
+worker its own), so nothing is shared copy-on-write, and the cache grows only during the
+first epoch.
 """
 
 from __future__ import annotations
