@@ -208,3 +208,44 @@ def token_rows(size: str, workdir: Path) -> dict:
             ratios[key] = row["vs_baseline"]
     note = f"tokens: {count} windows of {WINDOW} int32 tokens from a .npy"
     return {"rows": rows, "ratios": ratios, "notes": [note]}
+
+
+def cpu_ratios(source: Path, rounds: int = 9, batches=(64, 256)) -> dict[str, float]:
+    """Packs by columns against ``source`` read in place, 0 workers, by the main process's CPU
+    time per epoch (``time.process_time``): interleaved rounds, medians of per-round ratios.
+    On a shared box the CPU time moves less than the wall time with other processes' load
+    (not at all with their scheduling; still with their memory traffic)."""
+    import fastloader
+
+    packs = _packs(source, source.parent, source.stem, ("columns",))
+    datasets = {IN_PLACE: fastloader.HDF5Dataset(source)}
+    datasets.update({name: fastloader.open_pack(path) for name, path in packs.items()})
+    with h5py.File(source, "r") as file:
+        key = next(name for name in file if file[name].ndim == 1)
+    ratios = {}
+    for batch in batches:
+        loaders = {
+            name: fastloader.DataLoader(ds, batch_size=batch, shuffle=True)
+            for name, ds in datasets.items()
+        }
+        rates: dict[str, list[float]] = {name: [] for name in loaders}
+        for number in range(rounds + 1):  # the first round warms up
+            names = list(loaders) if number % 2 == 0 else list(reversed(loaders))
+            for name in names:
+                started, samples = time.process_time(), 0
+                for got in loaders[name]:
+                    samples += len(got[key])
+                if number:
+                    rates[name].append(samples / (time.process_time() - started))
+        for name in packs:
+            ratios[f"{name}, b{batch}, w0, CPU"] = round(
+                paired_ratio(rates[name], rates[IN_PLACE]), 2
+            )
+    return ratios
+
+
+if __name__ == "__main__":  # python -m benchmarks.column_packs SOURCE.h5 [ROUNDS]
+    import sys
+
+    for name, ratio in cpu_ratios(Path(sys.argv[1]), *map(int, sys.argv[2:3])).items():
+        print(f"{name}: {ratio:.2f}x the file in place")
