@@ -140,33 +140,47 @@ def _packs(
     return packs
 
 
-def pose_rows(size: str, workdir: Path) -> dict:
-    """The pose comparison: rows, ratios and notes."""
+def pose_rows(size: str, workdir: Path, source: Path | None = None) -> dict:
+    """The pose comparison: rows, ratios and notes. ``source``: another pose-style file (the
+    benchmark's own 40x40 samples), read against its packs by columns only (``samples`` names
+    it in the rows, and ``pose40`` in the ratios); None: the issue's 64x64 file, both layouts."""
     import fastloader
 
     count, rounds, batches, workers = SIZES[size]
-    source = make_pose64(workdir / f"pose64-{count}.h5", count)
-    packs = _packs(source, workdir, f"pose64-{count}")
+    tag, layouts = "pose", ("columns", "records")
+    if source is None:
+        source = make_pose64(workdir / f"pose64-{count}.h5", count)
+    else:
+        tag, layouts = "pose40", ("columns",)
+    packs = _packs(source, workdir, source.stem, layouts)
     datasets = {IN_PLACE: fastloader.HDF5Dataset(source)}
     datasets.update({name: fastloader.open_pack(path) for name, path in packs.items()})
-    rows, ratios = _compare(datasets, IN_PLACE, "name", rounds, batches, workers)
+    with h5py.File(source, "r") as file:
+        fields = {name: file[name] for name in file}
+        described = ", ".join(
+            f"{name} {'x'.join(map(str, d.shape[1:])) or '()'} {d.dtype}"
+            for name, d in fields.items()
+        )
+        key = next(name for name, d in fields.items() if d.ndim == 1)
+    rows, ratios = _compare(datasets, IN_PLACE, key, rounds, batches, workers)
     for row in rows:
+        row["samples"] = tag
         if row["reader"] in packs:
             row["size_over_file"] = round(
                 packs[row["reader"]].stat().st_size / source.stat().st_size, 3
             )
-    for row in rows:
         if "vs_baseline" in row and "columns" in row["reader"]:
             backend = row["reader"].split()[0].lower()
-            ratios[f"pose_{backend}_columns_vs_in_place_b{row['batch']}_w{row['workers']}"] = row[
-                "vs_baseline"
-            ]
+            name = f"{tag}_{backend}_columns_vs_in_place_b{row['batch']}_w{row['workers']}"
+            ratios[name] = row["vs_baseline"]
     for name, path in packs.items():
-        key = name.split()[0].lower() + ("_columns" if "columns" in name else "_records")
-        ratios[f"pose_{key}_size_over_file"] = round(path.stat().st_size / source.stat().st_size, 3)
+        kind = name.split()[0].lower() + ("_columns" if "columns" in name else "_records")
+        ratios[f"{tag}_{kind}_size_over_file"] = round(
+            path.stat().st_size / source.stat().st_size, 3
+        )
     note = (
-        f"pose: {count} samples (64x64x3 uint8 image, 17x2 float32 keypoints, a name), "
-        f"batches of {', '.join(map(str, batches))}, {', '.join(map(str, workers))} workers, "
+        f"{tag}: {count} samples ({described}), batches of "
+        f"{', '.join(map(str, batches))}, {', '.join(map(str, workers))} workers, "
         f"{rounds} interleaved rounds after a warm-up epoch; checksums on"
     )
     return {"rows": rows, "ratios": ratios, "notes": [note]}
@@ -194,3 +208,44 @@ def token_rows(size: str, workdir: Path) -> dict:
             ratios[key] = row["vs_baseline"]
     note = f"tokens: {count} windows of {WINDOW} int32 tokens from a .npy"
     return {"rows": rows, "ratios": ratios, "notes": [note]}
+
+
+def cpu_ratios(source: Path, rounds: int = 9, batches=(64, 256)) -> dict[str, float]:
+    """Packs by columns against ``source`` read in place, 0 workers, by the main process's CPU
+    time per epoch (``time.process_time``): interleaved rounds, medians of per-round ratios.
+    On a shared box the CPU time moves less than the wall time with other processes' load
+    (not at all with their scheduling; still with their memory traffic)."""
+    import fastloader
+
+    packs = _packs(source, source.parent, source.stem, ("columns",))
+    datasets = {IN_PLACE: fastloader.HDF5Dataset(source)}
+    datasets.update({name: fastloader.open_pack(path) for name, path in packs.items()})
+    with h5py.File(source, "r") as file:
+        key = next(name for name in file if file[name].ndim == 1)
+    ratios = {}
+    for batch in batches:
+        loaders = {
+            name: fastloader.DataLoader(ds, batch_size=batch, shuffle=True)
+            for name, ds in datasets.items()
+        }
+        rates: dict[str, list[float]] = {name: [] for name in loaders}
+        for number in range(rounds + 1):  # the first round warms up
+            names = list(loaders) if number % 2 == 0 else list(reversed(loaders))
+            for name in names:
+                started, samples = time.process_time(), 0
+                for got in loaders[name]:
+                    samples += len(got[key])
+                if number:
+                    rates[name].append(samples / (time.process_time() - started))
+        for name in packs:
+            ratios[f"{name}, b{batch}, w0, CPU"] = round(
+                paired_ratio(rates[name], rates[IN_PLACE]), 2
+            )
+    return ratios
+
+
+if __name__ == "__main__":  # python -m benchmarks.column_packs SOURCE.h5 [ROUNDS]
+    import sys
+
+    for name, ratio in cpu_ratios(Path(sys.argv[1]), *map(int, sys.argv[2:3])).items():
+        print(f"{name}: {ratio:.2f}x the file in place")

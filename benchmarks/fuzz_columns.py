@@ -4,9 +4,10 @@ The harness of ``benchmarks/fuzz.py`` (issue 10's table) on packs of fields made
 ``fastloader.pack``: 160 dict samples of a raw 48x48x3 image (fixed), float32 keypoints
 (fixed), ragged float32 boxes and int64 labels, a name (str, padded to one width), a ragged
 note (str) and a score (float), in blocks of 32 rows. Each damaged copy is opened, every
-sample read one by one (the per-sample path) and every batch of 16 read by column (the path
-``fastloader.DataLoader`` takes: ``read_batch_columns``, gathered), and compared with the
-original; outcomes as fuzz.py's: a trial is correct when every sample and every batch row is
+sample read one by one (the per-sample path) and every batch of 16 read by column and
+collated as ``fastloader.DataLoader`` does in its main process (``read_batch_columns``, then
+the default collate; each batch twice), and compared with the original; outcomes as
+fuzz.py's: a trial is correct when every sample and every batch row is
 the original's or a ``PackError``.
 
 Run: ``python -m benchmarks.fuzz_columns [--trials 500] [--seed 0] [--kinds flip,truncate]``.
@@ -74,13 +75,24 @@ def _digest(sample: dict) -> str:
 
 
 def _batch_rows(dataset, start: int) -> list:
-    from fastloader.formats.mapped_rows import gathered
+    """A batch read by column, its fixed fields made into tensors as the loader's default
+    collate makes them in the main process (mapped rows gathered into the batch tensor, names from
+    the decoded text cache: NOTE [ Gathered into the batch tensor ], NOTE [ Text columns
+    decoded once ]), a digest per row; read twice, so that a row is also read from what the
+    first read kept."""
+    from fastloader.datasets.collate import default_collate, whole
+    from fastloader.datasets.columns import ColumnBatch
 
-    batch = dataset.read_batch_columns(list(range(start, min(start + BATCH, len(dataset)))))
-    columns = {name: gathered(column) for name, column in batch.columns.items()}
-    return [
-        _digest({name: column[at] for name, column in columns.items()}) for at in range(len(batch))
-    ]
+    indices = list(range(start, min(start + BATCH, len(dataset))))
+    rows = []
+    for _ in range(2):
+        columns = dataset.read_batch_columns(indices).columns
+        tensors = ColumnBatch({n: c for n, c in columns.items() if whole(c)}, len(indices))
+        batch = {**columns, **default_collate(tensors)}  # ragged fields: the values as read
+        rows.append(
+            [_digest({name: batch[name][at] for name in batch}) for at in range(len(indices))]
+        )
+    return rows[0] if rows[0] == rows[1] else ["other: a second read differs"] * len(indices)
 
 
 def read_all(path: str) -> dict:

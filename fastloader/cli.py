@@ -4,7 +4,7 @@
 
     fastloader-pack SRC DST [--format lmdb|hdf5] [--store encoded|raw|jpeg] [--quality Q]
                     [--max-side N] [--short-side N] [--workers N] [--check full|quick]
-                    [--overwrite] [--strict] [--quiet]
+                    [--layout columns|records] [--overwrite] [--strict] [--quiet]
     fastloader-pack --info PACK
     fastloader-pack --verify PACK
 
@@ -172,6 +172,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "repeat for several)",
     )
     parser.add_argument(
+        "--layout",
+        metavar="LAYOUT",
+        help="for an HDF5 SRC (samples of many fields): columns (the default: whole batches "
+        "read by column, format 5) or records (one record per sample, format 4, which earlier "
+        "releases read); checked as pack(layout=) checks it",
+    )
+    parser.add_argument(
         "--shuffle-seed",
         type=int,
         metavar="N",
@@ -208,8 +215,10 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
             else "SRC and DST are required"
         )
     _check_pack_options(parser, args)
-    if (args.fields or args.image_field) and (args.src is None or os.path.isdir(args.src)):
-        parser.error("--fields and --image-field apply to an HDF5 file SRC")
+    if (args.fields or args.image_field or args.layout) and (
+        args.src is None or os.path.isdir(args.src)
+    ):
+        parser.error("--fields, --image-field and --layout apply to an HDF5 file SRC")
     return args
 
 
@@ -234,6 +243,7 @@ def _check_pack_options(parser: argparse.ArgumentParser, args: argparse.Namespac
 
     try:
         given = {"quality": args.quality, "image_timeout": args.image_timeout}
+        given["layout"] = args.layout  # its choices: pack()'s own (LAYOUTS, no copy here)
         check_options(
             args.store,
             max_side=args.max_side,
@@ -323,6 +333,7 @@ def _given_options(args: argparse.Namespace) -> dict[str, Any]:
         "image_timeout": args.image_timeout,
         "shuffle_seed": args.shuffle_seed,
         "shard_size": args.shard_size,
+        "layout": args.layout,
     }
     return {name: value for name, value in given.items() if value is not None}
 

@@ -15,9 +15,12 @@ WORKERS = pytest.mark.parametrize("workers", [0, 1])
 
 
 def first_batch_error(dataset, workers: int) -> str:
-    loader = DataLoader(dataset, batch_size=4, num_workers=workers)
-    with pytest.raises(PILImagesError) as error:
-        next(iter(loader))
+    # closed here: an iterator kept alive by the error's traceback stops its worker whenever the
+    # garbage collector meets it, which once fell inside a later compile (CPython 3.11 then
+    # raised "AST constructor recursion depth mismatch" at the end of the session)
+    with DataLoader(dataset, batch_size=4, num_workers=workers) as loader:
+        with pytest.raises(PILImagesError) as error:
+            next(iter(loader))
     return str(error.value)
 
 

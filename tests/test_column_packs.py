@@ -15,7 +15,7 @@ import torch
 import fastloader
 from fastloader import DataLoader, HDF5Dataset, LMDBDataset, PackError, pack, read_metadata
 from fastloader.datasets.columns import ColumnBatch
-from fastloader.formats import column_layout
+from fastloader.formats import column_layout, column_reader
 from fastloader.formats.hdf5_foreign import HDF5File
 from fastloader.formats.info import describe
 from tests._fields import POSE_FIELDS, Detection, assert_same_sample, h5py_rows
@@ -284,3 +284,67 @@ def test_batches_by_column_equal_batches_of_samples_for_every_fixed_kind(tmp_pat
         _assert_same_batch(got, want)
     assert by_columns[5] == {**Scalars()[5], "zero_d": by_columns[5]["zero_d"]}
     assert by_columns[5]["zero_d"].shape == () and by_columns[5]["zero_d"] == np.float32(1.0)
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_text_columns_read_the_same_batches_cached_or_not(tmp_path, monkeypatch, cached):
+    # NOTE [ Text columns decoded once ]: a process keeps decoded names only within a budget
+    if not cached:
+        monkeypatch.setattr(column_reader, "TEXT_CACHE_BYTES", 0)
+    path = tmp_path / "scalars.lmdb"
+    pack(Scalars(), path, workers=0)
+    dataset = LMDBDataset(path)
+    table = dataset.column_table()
+    texts = [column for column in table.columns if column.texts]
+    assert [column.name for column in texts] == ["s", "ascii", "raw"]
+    assert all((column.cache is not None) == cached for column in texts)
+    for epoch in range(2):  # the second epoch reads what the first one decoded
+        for got in DataLoader(dataset, batch_size=16, shuffle=True, seed=epoch):
+            for row, name in enumerate(got["ascii"]):
+                want = Scalars()[int(name.removeprefix("plain"))]
+                assert (got["s"][row], got["raw"][row]) == (want["s"], want["raw"])
+
+
+def test_a_name_that_is_not_utf8_raises_on_every_batch_read(tmp_path, suffix):
+    # checksums off (the user's choice), a damaged name still never reads as another value
+    path = tmp_path / f"scalars{suffix}"
+    pack(Scalars(), path, workers=0)
+    data = bytearray(path.read_bytes())
+    at = data.find("n1é".encode())  # rows 1, 5, 9, ...: every copy
+    while at >= 0:
+        data[at] = 0xFF
+        at = data.find("n1é".encode(), at + 1)
+    path.write_bytes(bytes(data))
+    dataset = OPEN[suffix](path, verify_checksums=False)
+    assert next(iter(DataLoader(dataset, batch_size=1, sampler=[2])))["s"] == ["n2é"]
+    for _ in range(2):  # not kept as a value: the same error on every read
+        with pytest.raises(PackError, match=r"row 1: corrupt field 's' \(not UTF-8\)"):
+            next(iter(DataLoader(dataset, batch_size=4, sampler=[0, 1, 2, 3])))
+
+
+@pytest.mark.parametrize(
+    ("flag", "version", "said"), [("columns", 5, "columns"), ("records", 4, "records")]
+)
+def test_the_pack_command_writes_the_layout_asked_and_info_says_it(
+    pose, tmp_path, capsys, flag, version, said
+):
+    from fastloader.cli import main
+
+    path = tmp_path / "pose.lmdb"
+    assert main([str(pose), str(path), "--layout", flag, "--quiet", "--workers", "0"]) == 0
+    assert read_metadata(path)["version"] == version
+    assert main(["--info", str(path)]) == 0
+    assert f"layout:   {said} " in capsys.readouterr().out
+    _assert_same_batch(
+        next(iter(DataLoader(LMDBDataset(path), batch_size=8))),
+        next(iter(DataLoader(HDF5Dataset(pose), batch_size=8))),
+    )
+
+
+def test_the_pack_command_refuses_an_unknown_layout_in_the_librarys_words(pose, tmp_path, capsys):
+    from fastloader.cli import main
+
+    assert main([str(pose), str(tmp_path / "pose.lmdb"), "--layout", "rows"]) == 2
+    err = capsys.readouterr().err
+    assert f"--layout must be one of {', '.join(column_layout.LAYOUTS)}, got 'rows'" in err
+    assert not (tmp_path / "pose.lmdb").exists()

@@ -120,8 +120,9 @@ def test_a_column_that_does_not_collate_raises_the_samples_error(tmp_path):
     with pytest.raises(TypeError) as columns_error:
         default_collate(batch)
     assert str(columns_error.value) == str(samples_error.value)
-    with pytest.raises(TypeError, match=str(samples_error.value)[:40]):
-        list(DataLoader(dataset, batch_size=2, num_workers=1))
+    with DataLoader(dataset, batch_size=2, num_workers=1) as loader:  # its worker stopped here
+        with pytest.raises(TypeError, match=str(samples_error.value)[:40]):
+            list(loader)
 
 
 class WithArea(HDF5FileDataset):

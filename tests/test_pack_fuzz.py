@@ -1,12 +1,15 @@
 """Fuzzing packs in CI: random byte flips and truncations of small packs of each backend and
 store, each read in a subprocess so that a crash is seen as a crash. Every trial must end in a
-PackError or samples identical to the original (benchmarks/fuzz.py; bounded: 4 x 30 trials)."""
+PackError or samples identical to the original (benchmarks/fuzz.py; bounded: 4 x 30 trials).
+Packs laid out by columns (format 5) too, read sample by sample and batch by column
+(benchmarks/fuzz_columns.py; bounded: 2 x 30 trials)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from benchmarks import fuzz_columns
 from benchmarks.fuzz import CRASH_FOR_TEST, classify, damage, make_pack, read_all, run_trials
 
 SUFFIX = {"lmdb": ".lmdb", "hdf5": ".h5"}
@@ -48,3 +51,28 @@ def test_the_harness_sees_crashes_and_silent_damage(tmp_path):
     assert classify(expected, changed) == "silently wrong"
     assert classify(expected, {**expected, "samples": ["PackError"]}) == "correct or PackError"
     assert classify(expected, {"open": "other: KeyError"}) == "other exception"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", sorted(SUFFIX))
+def test_damaged_column_packs_give_pack_error_or_identical_samples_and_batches(tmp_path, backend):
+    original = fuzz_columns.make_pack(tmp_path / f"orig{SUFFIX[backend]}")
+    expected = fuzz_columns.read_all(str(original))
+    # every sample, then every batch's rows: none damaged, none an error
+    assert len(expected["samples"]) == 2 * fuzz_columns.COUNT
+    assert all(len(digest) == 16 for digest in expected["samples"])
+    data = original.read_bytes()
+    rng = np.random.default_rng([2 + sorted(SUFFIX).index(backend)])  # seeded
+    paths = []
+    for trial in range(FLIPS + TRUNCATIONS):
+        path = tmp_path / f"{trial}{SUFFIX[backend]}"
+        path.write_bytes(damage(data, rng, "flip" if trial < FLIPS else "truncate"))
+        paths.append(path)
+    child = ("benchmarks.fuzz_columns", "--child")
+    outcomes = [classify(expected, result) for result in run_trials(paths, 120, child)]
+    bad = {
+        str(path.name): outcome
+        for path, outcome in zip(paths, outcomes, strict=True)
+        if outcome != "correct or PackError"
+    }
+    assert bad == {}

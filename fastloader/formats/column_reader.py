@@ -20,6 +20,21 @@ refused when a process opens it again (NOTE [ Fork-safe readers ] in packfile.py
 rewritten in place under a running reader are not what they are for. A damaged block is a
 PackError naming the file, the field and the rows, and its bit stays unset, so every read of
 those rows raises again.
+
+NOTE [ Text columns decoded once ]
+A str or bytes field stored NUL-padded (file names) is what the default collate makes a list
+of: one Python object per sample, which NumPy decodes 64 at a time in about 17 us a batch (a
+gather, ``astype`` to unicode, ``tolist``). A pack's bytes never change under a reader (they
+are checked, and a pack replaced is refused: NOTE [ Blocks checked once per process ]), so a
+process decodes each block of such a column once, after its checksum, into an object array; a
+batch is then one ``take`` of the objects it already holds (about 2 us for 64). The values are
+the ones decoded from the bytes, exactly (a value that is not UTF-8 is kept as a marker and
+raises as before, naming it, on every read). Only columns whose objects fit
+``TEXT_CACHE_BYTES`` per process (about 200 000 names of 16 characters) are kept; a larger one
+is decoded per batch. A user's file cannot do this: it may change under its reader
+(NOTE [ A file changed under a reader ]). The objects are made in the process that reads (each
+worker its own), so nothing is shared copy-on-write, and the cache grows only during the
+first epoch.
 """
 
 from __future__ import annotations
@@ -38,7 +53,12 @@ from fastloader.formats.records import PackError
 
 __all__ = ["ColumnTable", "checked_rows"]
 
-_INTS = {int}
+#: Most bytes a process keeps of one text column's decoded values (NOTE [ Text columns
+#: decoded once ]): each value's object (a ``str`` header of about 56 bytes and its text) and
+#: its pointer.
+TEXT_CACHE_BYTES = 16 << 20
+_OBJECT_BYTES = 64
+_UNDECODABLE = object()  # a cached value that is not UTF-8: read again, for its error
 #: ``part(name, segment)``: a part's bytes as a uint8 array (a view of the file), or None.
 PartReader = Callable[[str, int], "np.ndarray | None"]
 
@@ -50,9 +70,10 @@ def checked_rows(indices: Sequence[int] | np.ndarray, count: int, path: Path) ->
         IndexError: naming the file, for an index out of range.
         TypeError: for indices that are not integers.
     """
-    if type(indices) is list and indices and set(map(type, indices)) == _INTS:
-        rows = np.array(indices, dtype=np.int64)  # the loader's batches: one conversion
-        if rows.min() >= 0 and rows.max() < count:
+    if type(indices) is list and indices:  # the loader's batches: one conversion, one test
+        rows = np.array(indices)
+        # (negative rows seen as uint64 are past the end: they take the general path below)
+        if rows.dtype == np.int64 and rows.ndim == 1 and rows.view(np.uint64).max() < count:
             return rows
     rows = np.asarray(indices)
     if rows.dtype.kind not in "iu" and len(rows):
@@ -82,8 +103,20 @@ class _Column:
         self.sums = np.zeros(0, np.uint64)
         self.views: dict[int, memoryview] = {}  # of each segment, made on first use
         self.texts = self.fixed and field["kind"] in ("str", "bytes")  # NUL-padded
+        self.cache: np.ndarray | None = None  # NOTE [ Text columns decoded once ]
+        self.decoded = np.zeros(0, bool)  # per block: its values are in the cache
+        self.undecoded = 0  # blocks not in the cache yet
+        self.undecodable = False  # the cache holds a value that is not UTF-8
         if self.texts:
             self.unicode = np.dtype(("U", np.dtype(column["dtype"]).itemsize))
+
+    def keep_texts(self, count: int, blocks: int) -> None:
+        """Cache this text column's decoded values if they fit (NOTE [ Text columns decoded
+        once ])."""
+        if count * (_OBJECT_BYTES + self.unicode.itemsize // 4) <= TEXT_CACHE_BYTES:
+            self.cache = np.empty(count, dtype=object)
+            self.decoded = np.zeros(blocks, dtype=bool)
+            self.undecoded = blocks
 
 
 class ColumnTable:
@@ -117,6 +150,9 @@ class ColumnTable:
             )
         ]
         self.names = [column.name for column in self.columns]
+        for column in self.columns:
+            if column.texts:
+                column.keep_texts(self.count, self.blocks)
         self.verified = np.zeros(self.blocks, dtype=bool)
         self.unchecked = self.blocks  # blocks not checked yet
 
@@ -253,13 +289,44 @@ class ColumnTable:
         return out
 
     def _fixed_texts(self, column: _Column, rows: np.ndarray) -> list:
-        """A str or bytes field stored NUL-padded: one gather, then a value per row."""
+        """A str or bytes field stored NUL-padded: the values of ``rows`` (checked)."""
+        if column.cache is None:
+            return self._decoded_texts(column, self._gather_texts(column, rows), rows)
+        if column.undecoded:
+            self._decode_blocks(column, rows)
+        values = column.cache[rows].tolist()
+        if column.undecodable and _UNDECODABLE in values:  # its error, naming the value
+            return [self.value(column.number, row, _no_image) for row in rows.tolist()]
+        return values
+
+    def _decode_blocks(self, column: _Column, rows: np.ndarray) -> None:
+        """Decode the blocks of ``rows`` not in ``column``'s cache yet, whole (their bytes
+        checked already: NOTE [ Text columns decoded once ])."""
+        blocks = rows // self.block
+        for block in np.unique(blocks[~column.decoded[blocks]]).tolist():
+            start = block * self.block
+            stop = min(start + self.block, self.count)
+            segment = start // self.segment
+            local = start - segment * self.segment
+            data = column.rows[segment][local : local + stop - start]
+            values = self._decoded_texts(column, data, None)
+            if _UNDECODABLE in values:
+                column.undecodable = True
+            column.cache[start:stop] = values
+            column.decoded[block] = True
+            column.undecoded -= 1
+
+    def _gather_texts(self, column: _Column, rows: np.ndarray) -> np.ndarray:
         segments = rows // self.segment
         values = []
         for segment in np.unique(segments).tolist() if self.segments > 1 else [0]:
             at = rows if self.segments == 1 else rows[segments == segment]
             values.append(column.rows[segment][at - segment * self.segment])
-        gathered = values[0] if len(values) == 1 else self._in_order(values, segments)
+        return values[0] if len(values) == 1 else self._in_order(values, segments)
+
+    def _decoded_texts(self, column: _Column, gathered: np.ndarray, rows: Any) -> list:
+        """NUL-padded values as the field's values: ``rows`` None marks a value that is not
+        UTF-8 ``_UNDECODABLE``, else its error is raised (naming the row)."""
         if column.field["kind"] == "bytes":
             return gathered.tolist()
         try:  # ASCII, the usual file names: decoded by NumPy in one call
@@ -268,7 +335,9 @@ class ColumnTable:
             pass
         try:
             return [text.decode("utf-8", "surrogatepass") for text in gathered.tolist()]
-        except UnicodeDecodeError:  # the error of the value that fails, naming it
+        except UnicodeDecodeError:
+            if rows is None:
+                return [_utf8_or_marker(text) for text in gathered.tolist()]
             return [self.value(column.number, row, _no_image) for row in rows.tolist()]
 
     @staticmethod
@@ -348,6 +417,13 @@ class ColumnTable:
                 text = " ".join(str(error).split()).removeprefix(f"{self.path}: ")
                 bad.append((block * self.block, text))
         return bad
+
+
+def _utf8_or_marker(text: bytes) -> Any:
+    try:
+        return text.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        return _UNDECODABLE
 
 
 def _no_image(stored: int, shape: Any, data: memoryview, name: str) -> Any:

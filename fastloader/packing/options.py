@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fastloader.formats import FORMATS, STORE_MODES, format_from_suffix
+from fastloader.formats import FORMATS, LAYOUTS, STORE_MODES, format_from_suffix
 from fastloader.packing.pool import IMAGE_SECONDS
 
 
@@ -33,6 +33,7 @@ def check_options(
     format: str | None = None,
     workers: int | None = None,
     image_timeout: float = IMAGE_SECONDS,
+    layout: str = LAYOUTS[0],
 ) -> None:
     """Check ``pack``'s options before any work (``fastloader-pack`` checks its flags with it).
 
@@ -43,6 +44,8 @@ def check_options(
         raise ValueError(f"store must be one of {', '.join(STORE_MODES)}, got {store!r}")
     if format is not None and format not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if not isinstance(quality, int) or not 1 <= quality <= 100:
         raise ValueError(f"quality must be an int from 1 to 100, got {quality!r}")
     for name, value in (("max_side", max_side), ("short_side", short_side)):

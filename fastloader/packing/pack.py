@@ -22,7 +22,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from fastloader.formats import LAYOUTS, open_writer
+from fastloader.formats import open_writer
 from fastloader.formats.signatures import is_hdf5_file
 from fastloader.packing.jobs import Job, dataset_job, folder_job, scan_image_folder, shuffled
 from fastloader.packing.options import (
@@ -218,14 +218,12 @@ def pack(
             **options,
         )
     started = time.perf_counter()
-    check_options(store, quality, max_side, short_side, format, workers, image_timeout)
+    check_options(store, quality, max_side, short_side, format, workers, image_timeout, layout)
     target = Path(os.path.expanduser(os.fspath(path)))
     format = target_format(target, format, source)
     check_target(target, overwrite)
     if check not in CHECKS:
         raise ValueError(f"check must be one of {', '.join(CHECKS)}, got {check!r}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     options = Options(store, quality, max_side, short_side, check)
     job = _job(source, options, classes, schema, shuffle_seed)
     if workers is None:
