@@ -151,3 +151,31 @@ def test_shuffle_true_on_a_sharded_dataset_takes_the_shard_aware_order(folder):
     ys = [y for batch in loader for y in _ys(batch)]
     assert sorted(ys) == list(range(400)) and ys != list(range(400))
     assert ys == [y for batch in _loaders(dataset, 1, 16)[0] for y in _ys(batch)]
+
+
+@pytest.mark.parametrize("open_shards", [None, 9])
+def test_each_shard_is_opened_once_an_epoch_and_not_again_the_next(
+    folder, monkeypatch, open_shards
+):
+    """NOTE [ How many shards stay open ]: an LRU of open shards at the order's working set
+    reopened shards all epoch; by default a process opens each shard once and keeps it."""
+    import fastloader.datasets.sharded as sharded
+
+    opened = []
+    real_open = sharded.open_pack
+    monkeypatch.setattr(
+        sharded, "open_pack", lambda path, **kw: opened.append(path) or real_open(path, **kw)
+    )
+    dataset = ShardedDataset(folder, lanes=2, window=2, open_shards=open_shards)
+    loader = DataLoader(dataset, batch_size=16, shuffle=True, seed=SEED)
+    epochs = []
+    for _ in range(2):
+        opened.clear()
+        ys = [y for batch in loader for y in _ys(batch)]
+        assert sorted(ys) == list(range(400))
+        epochs.append(len(opened))
+    shards = len(dataset.shard_counts)
+    if open_shards is None:  # every shard open by the first epoch's end, none reopened after
+        assert epochs == [shards, 0]
+    else:  # a bound the user set holds: the next epoch reopens what was closed
+        assert len(dataset._open) <= open_shards and epochs[1] > 0
