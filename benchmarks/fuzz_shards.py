@@ -295,7 +295,7 @@ def fuzz(workdir: Path, trials: int, seed: int, seconds: float, chunk: int = 10)
             }
             specs.append(spec)
             paths.append(json.dumps(spec))
-        results = run_trials(paths, timeout=60 * len(paths), module_args=(__name__, "--child"))
+        results = run_trials(paths, timeout=60 * len(paths), module_args=("benchmarks.fuzz_shards", "--child"))
         for spec, result in zip(specs, results, strict=True):
             outcome = classify(result)
             counts[outcome] += 1

@@ -138,6 +138,7 @@ class ShardedDataset(Dataset):
             path = self._path(number)
             try:
                 pack = open_pack(path, **self.pack_options)
+                _check_agrees(pack, self.manifest, path)
                 pack.shard_inode = os.stat(path).st_ino  # see _forget_evicted
                 pack.shard_columns = column_plan(pack)  # (plan, table): read_batch_columns
                 break
@@ -293,3 +294,42 @@ class ShardedDataset(Dataset):
             f"ShardedDataset({self.url!r}, {len(self)} samples in "
             f"{len(self.manifest.shards)} shards{where})"
         )
+
+
+# NOTE [ Shards that disagree with their manifest ]
+# Every shard is read as the manifest describes the pack: the same classes and the same schema
+# (the packer gives shard 0's to every later shard: NOTE [ Packing shards ]). A shard that
+# disagrees (a crafted or mixed-up manifest, a shard copied in from another pack) is refused
+# when it is opened, naming it and the field: read anyway, a batch read by columns takes each
+# column by its position in the plan, so fields in another order or an extra field would put
+# one field's values under another's name, or drop a field, without an error.
+
+
+def _check_agrees(pack: Any, manifest: Manifest, path: Path) -> None:
+    """Raise ``PackError`` naming ``path`` and the field where the shard is not as
+    ``manifest`` describes it (NOTE [ Shards that disagree with their manifest ])."""
+    problem = _schema_difference(getattr(pack, "schema", None), manifest.schema)
+    if problem is None and list(pack.classes) != list(manifest.classes):
+        problem = f"classes {list(pack.classes)[:5]}..., the manifest's {manifest.classes[:5]}..."
+    if problem is not None:
+        pack.close()
+        raise PackError(f"{path}: this shard does not match the sharded pack's manifest: {problem}")
+
+
+def _schema_difference(schema: dict | None, expected: dict | None) -> str | None:
+    """What differs between a shard's schema and the manifest's (the first field), or None."""
+    if schema == expected:
+        return None
+    if schema is None or expected is None:
+        return f"schema {schema!r}, the manifest's {expected!r}"
+    fields = [field.get("name") for field in schema.get("fields", [])]
+    wanted = [field.get("name") for field in expected.get("fields", [])]
+    if fields != wanted:
+        extra, missing = sorted(set(fields) - set(wanted)), sorted(set(wanted) - set(fields))
+        if extra or missing:
+            return f"fields {extra} not in the manifest, {missing} missing"
+        return f"fields in the order {fields}, the manifest's {wanted}"
+    for field, want in zip(schema["fields"], expected["fields"], strict=True):
+        if field != want:
+            return f"field {field.get('name')!r} is {field}, the manifest's {want}"
+    return f"schema {schema}, the manifest's {expected}"
