@@ -28,6 +28,7 @@ from torch.utils.data import Dataset
 from fastloader.datasets.columns import ColumnBatch
 from fastloader.datasets.packs import open_pack
 from fastloader.datasets.sharded_columns import column_plan, read_shard_columns
+from fastloader.formats.packfile import file_identity
 from fastloader.formats.records import PackError
 from fastloader.shards.cache import ShardCache, cache_minimum
 from fastloader.shards.manifest import Manifest
@@ -139,7 +140,8 @@ class ShardedDataset(Dataset):
             try:
                 pack = open_pack(path, **self.pack_options)
                 _check_agrees(pack, self.manifest, path)
-                pack.shard_inode = os.stat(path).st_ino  # see _forget_evicted
+                pack.shard_identity = file_identity(path)  # NOTE [ A shard changed on disk ]
+                pack.shard_inode = pack.shard_identity[1]  # see _forget_evicted
                 pack.shard_columns = column_plan(pack)  # (plan, table): read_batch_columns
                 break
             except FileNotFoundError:  # evicted between its download and this open: again
@@ -151,13 +153,34 @@ class ShardedDataset(Dataset):
     def _path(self, number: int) -> Path:
         shard = self.manifest.shards[number]
         if self.cache is not None:
-            return self.cache.ensure(shard)
+            path = self.cache.ensure(shard)
+            if path.is_symlink():  # NOTE [ A shard changed on disk ]
+                raise PackError(
+                    f"{path}: a symbolic link in the shard cache, not a shard it checked"
+                )
+            return path
         path = self.store.local_path(shard.name)
         assert path is not None
         size = path.stat().st_size
         if size != shard.bytes:
             raise PackError(f"{path}: {size} bytes, the manifest says {shard.bytes}")
         return path
+
+    def _unchanged(self, pack: Any) -> Any:
+        """``pack``, after checking that a shard read in place is still the file opened
+        (NOTE [ A shard changed on disk ]); raises ``PackError`` naming it if not."""
+        if self.cache is None:
+            try:
+                same = file_identity(pack.path) == pack.shard_identity
+            except OSError:
+                same = False
+            if not same:
+                raise PackError(
+                    f"{pack.path}: this shard changed on disk since it was opened (rewritten, "
+                    f"truncated, replaced or removed): its rows are not read; make the sharded "
+                    f"pack again or restore the shard"
+                )
+        return pack
 
     def _forget_evicted(self) -> None:
         """Close shards the cache evicted (their bytes are freed once no one has them open)."""
@@ -186,7 +209,7 @@ class ShardedDataset(Dataset):
                 start = self._start_list[number]
                 pending = iter([start + row for row in rows])
                 hook = lambda _, g=pending: before_each(next(g))  # noqa: E731 - its global index
-            samples = self._shard(number).getitems_with(rows, hook)
+            samples = self._unchanged(self._shard(number)).getitems_with(rows, hook)
             for slot, sample in zip(slots, samples, strict=True):
                 out[slot] = sample
         return out
@@ -206,6 +229,7 @@ class ShardedDataset(Dataset):
                 pack = self._shard(number)
             else:
                 opened.move_to_end(number)
+            self._unchanged(pack)
             if pack.shard_columns is None:
                 return None
             plan = pack.shard_columns[0]
@@ -295,6 +319,19 @@ class ShardedDataset(Dataset):
             f"{len(self.manifest.shards)} shards{where})"
         )
 
+
+# NOTE [ A shard changed on disk ]
+# A shard is mapped: rewritten in place while open, its rows would be another file's bytes
+# under block checksums already verified in this process (so never checked again), and cut
+# shorter, touching a row past the new end kills the process with SIGBUS. So, as for a foreign
+# HDF5 file (NOTE [ A file changed under a reader ] in formats/hdf5_foreign.py), a shard read
+# in place has its identity (device, inode, size, mtime) taken when it is opened and compared
+# before each batch reads from it (one ``stat`` per shard in the batch, about a microsecond);
+# a change is a PackError naming the shard. The window between that ``stat`` and the copy
+# remains. A cached shard is the cache's (its eviction replaces files: ``_forget_evicted``),
+# but a symbolic link there is none of its files and is refused. What no check here sees is a
+# shard replaced, before it is opened, by another pack's shard of the same size and schema:
+# the manifest's digest of each shard is only checked after a download and by ``--verify``.
 
 # NOTE [ Shards that disagree with their manifest ]
 # Every shard is read as the manifest describes the pack: the same classes and the same schema
