@@ -222,14 +222,17 @@ def trial(spec: dict) -> dict:
     return {"epoch": epoch, "samples": samples, "shard": spec["shard"]}
 
 
+def _errors(result: dict) -> list[str]:
+    return [e for e in [result["epoch"]["error"], *result["samples"]["errors"]] if e]
+
+
 def classify(result: dict | None) -> str:
     """The outcome of one trial (the module docstring)."""
     if result is None:
         return "crashed"
-    epoch, samples = result["epoch"], result["samples"]
-    if epoch["wrong"] or samples["wrong"]:
+    if result["epoch"]["wrong"] or result["samples"]["wrong"]:
         return "silently wrong"
-    errors = [e for e in [epoch["error"], *samples["errors"]] if e]
+    errors = _errors(result)
     if any(not e.startswith("PackError") for e in errors):
         return "other exception"
     if any(result["shard"] not in e for e in errors):
@@ -269,13 +272,14 @@ def damaged_folder(
 
 def fuzz(workdir: Path, trials: int, seed: int, seconds: float, chunk: int = 10) -> dict:
     """``trials`` damaged folders over the 4 packs (backend x layout), flips and truncations
-    alternating, within about ``seconds``: ``{"counts": ..., "cases": ..., "trials": n}``."""
+    alternating, within about ``seconds``: ``{"counts", "cases", "trials", "refused"}`` (the
+    trials that ended in a PackError naming the shard, of the first outcome)."""
     rng = np.random.default_rng(seed)
     cleans = {}
     for backend, layout in PACKS:
         cleans[backend, layout] = make_sharded(workdir / f"{backend}-{layout}", backend, layout)
     local = make_local(workdir / "local.lmdb")
-    counts, cases, done = dict.fromkeys(OUTCOMES, 0), [], 0
+    counts, cases, done, refused = dict.fromkeys(OUTCOMES, 0), [], 0, 0
     started = time.monotonic()
     while done < trials and time.monotonic() - started < seconds:
         specs, paths = [], []
@@ -295,15 +299,18 @@ def fuzz(workdir: Path, trials: int, seed: int, seconds: float, chunk: int = 10)
             }
             specs.append(spec)
             paths.append(json.dumps(spec))
-        results = run_trials(paths, timeout=60 * len(paths), module_args=("benchmarks.fuzz_shards", "--child"))
+        results = run_trials(
+            paths, timeout=60 * len(paths), module_args=("benchmarks.fuzz_shards", "--child")
+        )
         for spec, result in zip(specs, results, strict=True):
             outcome = classify(result)
             counts[outcome] += 1
+            refused += outcome == OUTCOMES[0] and bool(_errors(result))
             if outcome != OUTCOMES[0]:
                 cases.append({"what": spec["what"], "outcome": outcome, "result": result})
             shutil.rmtree(spec["folder"])
         done += len(specs)
-    return {"counts": counts, "cases": cases, "trials": done}
+    return {"counts": counts, "cases": cases, "trials": done, "refused": refused}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -329,6 +336,7 @@ def main(argv: list[str] | None = None) -> None:
         f"| {report['trials']} | {cells} |  ({time.perf_counter() - started:.0f} s, "
         f"load {os.getloadavg()[0]:.1f})"
     )
+    print(f"of which refused by a PackError naming the shard: {report['refused']}")
     for case in report["cases"][:20]:
         print(json.dumps(case)[:1500])
 
