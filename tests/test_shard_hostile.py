@@ -185,3 +185,22 @@ def test_a_forked_worker_checks_lmdb_values_against_the_map_of_every_shard(tmp_p
     assert result.returncode == 0, result.stderr[-2000:]
     count, armed = result.stdout.split()
     assert int(count) >= 3 and armed == "True"
+
+
+@pytest.mark.parametrize("more", [1, -2])
+@pytest.mark.parametrize("backend", sorted(SUFFIX))
+def test_a_shard_holding_another_count_than_the_manifest_says_is_refused(tmp_path, backend, more):
+    # one more: the row past the shard's end was an IndexError or a ValueError of the copy,
+    # naming nothing; fewer: the shard's last samples were never read, silently
+    target = _sharded(tmp_path / "pack", backend, Pair())
+    manifest = json.loads((target / "manifest.json").read_text())
+    first = manifest["shards"][0]
+    first["count"] += more
+    manifest["count"] += more
+    (target / "manifest.json").write_text(json.dumps(manifest))
+    dataset = ShardedDataset(target)
+    end = first["count"] - 1  # the last row of shard 0, as the manifest says
+    with pytest.raises(PackError, match=f"{first['name']}.*{first['count'] - more} samples"):
+        dataset.read_batch_columns([end, end - 1])
+    with pytest.raises(PackError, match=first["name"]):
+        ShardedDataset(target)[end]

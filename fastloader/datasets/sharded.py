@@ -139,7 +139,7 @@ class ShardedDataset(Dataset):
             path = self._path(number)
             try:
                 pack = open_pack(path, **self.pack_options)
-                _check_agrees(pack, self.manifest, path)
+                _check_agrees(pack, self.manifest, number, path)
                 pack.shard_identity = file_identity(path)  # NOTE [ A shard changed on disk ]
                 pack.shard_inode = pack.shard_identity[1]  # see _forget_evicted
                 pack.shard_columns = column_plan(pack)  # (plan, table): read_batch_columns
@@ -334,18 +334,23 @@ class ShardedDataset(Dataset):
 # the manifest's digest of each shard is only checked after a download and by ``--verify``.
 
 # NOTE [ Shards that disagree with their manifest ]
-# Every shard is read as the manifest describes the pack: the same classes and the same schema
-# (the packer gives shard 0's to every later shard: NOTE [ Packing shards ]). A shard that
-# disagrees (a crafted or mixed-up manifest, a shard copied in from another pack) is refused
-# when it is opened, naming it and the field: read anyway, a batch read by columns takes each
-# column by its position in the plan, so fields in another order or an extra field would put
-# one field's values under another's name, or drop a field, without an error.
+# Every shard is read as the manifest describes the pack: as many samples as its entry says,
+# the same classes and the same schema (the packer gives shard 0's to every later shard: NOTE
+# [ Packing shards ]). More samples in the manifest than in the shard read rows past the
+# shard's end (an IndexError or ValueError naming nothing); fewer left samples out, silently.
+# A shard that disagrees (a crafted or mixed-up manifest, a shard copied in from another
+# pack) is refused when it is opened, naming it and the field: read anyway, a batch read by
+# columns takes each column by its position in the plan, so fields in another order or an
+# extra field would put one field's values under another's name, or drop a field, silently.
 
 
-def _check_agrees(pack: Any, manifest: Manifest, path: Path) -> None:
-    """Raise ``PackError`` naming ``path`` and the field where the shard is not as
-    ``manifest`` describes it (NOTE [ Shards that disagree with their manifest ])."""
-    problem = _schema_difference(getattr(pack, "schema", None), manifest.schema)
+def _check_agrees(pack: Any, manifest: Manifest, number: int, path: Path) -> None:
+    """Raise ``PackError`` naming ``path`` (shard ``number``) and the field where the shard is
+    not as ``manifest`` describes it (NOTE [ Shards that disagree with their manifest ])."""
+    problem = None
+    if len(pack) != manifest.shards[number].count:
+        problem = f"{len(pack)} samples, the manifest says {manifest.shards[number].count}"
+    problem = problem or _schema_difference(getattr(pack, "schema", None), manifest.schema)
     if problem is None and list(pack.classes) != list(manifest.classes):
         problem = f"classes {list(pack.classes)[:5]}..., the manifest's {manifest.classes[:5]}..."
     if problem is not None:
