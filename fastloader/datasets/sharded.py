@@ -29,6 +29,7 @@ from torch.utils.data import Dataset
 from fastloader.datasets.columns import ColumnBatch
 from fastloader.datasets.packs import open_pack
 from fastloader.datasets.sharded_columns import column_plan, read_shard_columns
+from fastloader.formats.packfile import file_identity
 from fastloader.formats.records import PackError
 from fastloader.shards.cache import ShardCache, cache_minimum
 from fastloader.shards.manifest import Manifest
@@ -162,7 +163,9 @@ class ShardedDataset(Dataset):
             path = self._path(number)
             try:
                 pack = open_pack(path, **self.pack_options)
-                pack.shard_inode = os.stat(path).st_ino  # see _forget_evicted
+                _check_agrees(pack, self.manifest, number, path)
+                pack.shard_identity = file_identity(path)  # NOTE [ A shard changed on disk ]
+                pack.shard_inode = pack.shard_identity[1]  # see _forget_evicted
                 pack.shard_columns = column_plan(pack)  # (plan, table): read_batch_columns
                 break
             except FileNotFoundError:  # evicted between its download and this open: again
@@ -174,13 +177,34 @@ class ShardedDataset(Dataset):
     def _path(self, number: int) -> Path:
         shard = self.manifest.shards[number]
         if self.cache is not None:
-            return self.cache.ensure(shard)
+            path = self.cache.ensure(shard)
+            if path.is_symlink():  # NOTE [ A shard changed on disk ]
+                raise PackError(
+                    f"{path}: a symbolic link in the shard cache, not a shard it checked"
+                )
+            return path
         path = self.store.local_path(shard.name)
         assert path is not None
         size = path.stat().st_size
         if size != shard.bytes:
             raise PackError(f"{path}: {size} bytes, the manifest says {shard.bytes}")
         return path
+
+    def _unchanged(self, pack: Any) -> Any:
+        """``pack``, after checking that a shard read in place is still the file opened
+        (NOTE [ A shard changed on disk ]); raises ``PackError`` naming it if not."""
+        if self.cache is None:
+            try:
+                same = file_identity(pack.path) == pack.shard_identity
+            except OSError:
+                same = False
+            if not same:
+                raise PackError(
+                    f"{pack.path}: this shard changed on disk since it was opened (rewritten, "
+                    f"truncated, replaced or removed): its rows are not read; make the sharded "
+                    f"pack again or restore the shard"
+                )
+        return pack
 
     def _forget_evicted(self) -> None:
         """Close shards the cache evicted (their bytes are freed once no one has them open)."""
@@ -209,7 +233,7 @@ class ShardedDataset(Dataset):
                 start = self._start_list[number]
                 pending = iter([start + row for row in rows])
                 hook = lambda _, g=pending: before_each(next(g))  # noqa: E731 - its global index
-            samples = self._shard(number).getitems_with(rows, hook)
+            samples = self._unchanged(self._shard(number)).getitems_with(rows, hook)
             for slot, sample in zip(slots, samples, strict=True):
                 out[slot] = sample
         return out
@@ -229,6 +253,7 @@ class ShardedDataset(Dataset):
                 pack = self._shard(number)
             else:
                 opened.move_to_end(number)
+            self._unchanged(pack)
             if pack.shard_columns is None:
                 return None
             plan = pack.shard_columns[0]
@@ -317,3 +342,60 @@ class ShardedDataset(Dataset):
             f"ShardedDataset({self.url!r}, {len(self)} samples in "
             f"{len(self.manifest.shards)} shards{where})"
         )
+
+
+# NOTE [ A shard changed on disk ]
+# A shard is mapped: rewritten in place while open, its rows would be another file's bytes
+# under block checksums already verified in this process (so never checked again), and cut
+# shorter, touching a row past the new end kills the process with SIGBUS. So, as for a foreign
+# HDF5 file (NOTE [ A file changed under a reader ] in formats/hdf5_foreign.py), a shard read
+# in place has its identity (device, inode, size, mtime) taken when it is opened and compared
+# before each batch reads from it (one ``stat`` per shard in the batch, about a microsecond);
+# a change is a PackError naming the shard. The window between that ``stat`` and the copy
+# remains. A cached shard is the cache's (its eviction replaces files: ``_forget_evicted``),
+# but a symbolic link there is none of its files and is refused. What no check here sees is a
+# shard replaced, before it is opened, by another pack's shard of the same size and schema:
+# the manifest's digest of each shard is only checked after a download and by ``--verify``.
+
+# NOTE [ Shards that disagree with their manifest ]
+# Every shard is read as the manifest describes the pack: as many samples as its entry says,
+# the same classes and the same schema (the packer gives shard 0's to every later shard: NOTE
+# [ Packing shards ]). More samples in the manifest than in the shard read rows past the
+# shard's end (an IndexError or ValueError naming nothing); fewer left samples out, silently.
+# A shard that disagrees (a crafted or mixed-up manifest, a shard copied in from another
+# pack) is refused when it is opened, naming it and the field: read anyway, a batch read by
+# columns takes each column by its position in the plan, so fields in another order or an
+# extra field would put one field's values under another's name, or drop a field, silently.
+
+
+def _check_agrees(pack: Any, manifest: Manifest, number: int, path: Path) -> None:
+    """Raise ``PackError`` naming ``path`` (shard ``number``) and the field where the shard is
+    not as ``manifest`` describes it (NOTE [ Shards that disagree with their manifest ])."""
+    problem = None
+    if len(pack) != manifest.shards[number].count:
+        problem = f"{len(pack)} samples, the manifest says {manifest.shards[number].count}"
+    problem = problem or _schema_difference(getattr(pack, "schema", None), manifest.schema)
+    if problem is None and list(pack.classes) != list(manifest.classes):
+        problem = f"classes {list(pack.classes)[:5]}..., the manifest's {manifest.classes[:5]}..."
+    if problem is not None:
+        pack.close()
+        raise PackError(f"{path}: this shard does not match the sharded pack's manifest: {problem}")
+
+
+def _schema_difference(schema: dict | None, expected: dict | None) -> str | None:
+    """What differs between a shard's schema and the manifest's (the first field), or None."""
+    if schema == expected:
+        return None
+    if schema is None or expected is None:
+        return f"schema {schema!r}, the manifest's {expected!r}"
+    fields = [field.get("name") for field in schema.get("fields", [])]
+    wanted = [field.get("name") for field in expected.get("fields", [])]
+    if fields != wanted:
+        extra, missing = sorted(set(fields) - set(wanted)), sorted(set(wanted) - set(fields))
+        if extra or missing:
+            return f"fields {extra} not in the manifest, {missing} missing"
+        return f"fields in the order {fields}, the manifest's {wanted}"
+    for field, want in zip(schema["fields"], expected["fields"], strict=True):
+        if field != want:
+            return f"field {field.get('name')!r} is {field}, the manifest's {want}"
+    return f"schema {schema}, the manifest's {expected}"

@@ -55,8 +55,8 @@ class _Env(NamedTuple):
     view: memoryview  # of ``file``: records are read from it (NOTE [ Record spans ])
     psize: int
     root: int
-    # "records": RecordSpans made at the first record read; "map_start": LMDB's map address
-    # (None: unknown), found at the first value py-lmdb returns (NOTE [ Finding LMDB's map ])
+    # "records": RecordSpans made at the first record read; "map_starts": where LMDB's map may
+    # be (empty: unknown), found at the first value py-lmdb returns (NOTE [ Finding LMDB's map ])
     spans: dict[str, Any]
 
     def close(self) -> None:
@@ -200,12 +200,12 @@ class LMDBPack(PackFile):
             raise PackError(f"{self.path}: damaged LMDB file reading {what} ({error})") from None
         if value is None:
             return None
-        length, start = len(value), _map_start(self.path, handle)
-        if start is None:
+        length, starts = len(value), _map_starts(self.path, handle)
+        if not starts:
             inside = length <= handle.size
         else:
             address = _address(value)
-            inside = start <= address and address + length <= start + handle.size
+            inside = any(s <= address and address + length <= s + handle.size for s in starts)
         if not inside:
             raise PackError(f"{self.path}: damaged LMDB file ({what} lies outside the file)")
         return value
@@ -339,28 +339,26 @@ def _address(buffer: Any) -> int:
     return np.frombuffer(buffer, dtype=np.uint8).__array_interface__["data"][0]
 
 
-def _map_start(path: Path, handle: _Env) -> int | None:
-    """LMDB's map address for ``handle`` (step 3 of NOTE [ LMDB values checked against the
-    file ]), found once per handle, at its first value (NOTE [ Finding LMDB's map ])."""
-    found = handle.spans.get("map_start", _UNKNOWN)
-    if found is _UNKNOWN:
+def _map_starts(path: Path, handle: _Env) -> tuple[int, ...]:
+    """The addresses LMDB's map for ``handle`` may be at (step 3 of NOTE [ LMDB values checked
+    against the file ]), found once per handle, at its first value (NOTE [ Finding LMDB's
+    map ]); empty where unknown."""
+    found = handle.spans.get("map_starts")
+    if found is None:
         map_size = handle.env.info()["map_size"]
-        found = mapping_start(path, handle.identity, map_size, besides=_address(handle.view))
-        handle.spans["map_start"] = found
+        found = mapping_starts(path, handle.identity, map_size, besides=_address(handle.view))
+        handle.spans["map_starts"] = found
     return found
 
 
-_UNKNOWN = object()
-
-
-def mapping_start(
+def mapping_starts(
     path: Path, identity: tuple[int, int, int, int], map_size: int, besides: int | None = None
-) -> int | None:
-    """The address at which this process maps ``path`` (LMDB's map), or None if unknown.
+) -> tuple[int, ...]:
+    """The addresses at which this process maps ``path`` as LMDB maps it; empty if unknown.
 
-    Read from ``/proc/self/maps`` (Linux): the mapping of this inode at offset 0 whose length
-    is the map size, other than the one at ``besides`` (fastloader's own map of the file). None
-    where there is no such file, or not exactly one such mapping.
+    Read from ``/proc/self/maps`` (Linux): the mappings of this inode at offset 0 whose length
+    is the map size, other than the one at ``besides`` (fastloader's own map of the file).
+    Empty where there is no such file or no such mapping.
     """
     # NOTE [ Finding LMDB's map ]
     # A process that imported torch (a loader's worker) has hundreds of mappings, a line of
@@ -374,13 +372,17 @@ def mapping_start(
     # from fastloader's own map and need no address), so a handle that reads only records or
     # columns never reads it. Since fastloader's own map of the file (same inode, offset 0,
     # same length) exists by then, its address, known exactly, is left out: the rule stays
-    # "the only mapping of this file at offset 0 of the map's length that is not our own".
+    # "a mapping of this file at offset 0 of the map's length that is not our own". There may be
+    # several: a forked worker keeps the maps its parent had of the shards it read (a column
+    # table still viewing one keeps it mapped), beside its own. Each holds the file's bytes
+    # from its start, so a value inside any of them lies inside the file; requiring exactly one
+    # left every shard the parent had read on the length check alone in every worker.
     length = -(-map_size // _OS_PAGE) * _OS_PAGE
     try:
         with open("/proc/self/maps", "rb") as maps:
             text = maps.read()
     except OSError:
-        return None
+        return ()
     found = []
     needle = b" %d " % identity[1]  # "start-end perms offset device inode path"
     at = text.find(needle)
@@ -392,7 +394,7 @@ def mapping_start(
         start, end = (int(value, 16) for value in fields[0].split(b"-"))
         if end - start == length and start != besides:
             found.append(start)
-    return found[0] if len(found) == 1 else None
+    return tuple(found)
 
 
 class LMDBWriter(PackWriter):
