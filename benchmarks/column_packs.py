@@ -244,8 +244,17 @@ def cpu_ratios(source: Path, rounds: int = 9, batches=(64, 256)) -> dict[str, fl
     return ratios
 
 
-if __name__ == "__main__":  # python -m benchmarks.column_packs SOURCE.h5 [ROUNDS]
-    import sys
+def main(argv: list[str] | None = None) -> None:
+    """``python -m benchmarks.column_packs SOURCE.h5 [--rounds N]``: ``cpu_ratios`` printed."""
+    import argparse
 
-    for name, ratio in cpu_ratios(Path(sys.argv[1]), *map(int, sys.argv[2:3])).items():
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("source", type=Path, help="an HDF5 file of pose-style samples")
+    parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds (default 9)")
+    args = parser.parse_args(argv)
+    for name, ratio in cpu_ratios(args.source, args.rounds).items():
         print(f"{name}: {ratio:.2f}x the file in place")
+
+
+if __name__ == "__main__":
+    main()
