@@ -77,3 +77,17 @@ class Detection:
             "labels": rng.integers(0, 80, len(boxes)).astype(np.int64),
             "name": f"img_{index}.jpg",
         }
+
+
+class Indexed:
+    """``n`` samples of two fields whose values name their index: ``x`` a ``side`` x ``side``
+    int32 array of it, ``y`` the index (what every shard test follows a sample by)."""
+
+    def __init__(self, n: int, side: int = 16) -> None:
+        self.n, self.side = n, side
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": np.full((self.side, self.side), i, np.int32), "y": i}

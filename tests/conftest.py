@@ -2,6 +2,7 @@
 S3-compatible server (tests/_seaweed.py) with the bucket `S3_BUCKET`, one per session."""
 
 import os
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -16,17 +17,11 @@ def s3(tmp_path_factory):
     from tests import _seaweed
 
     server = _seaweed.start(tmp_path_factory.mktemp("seaweed"))
-    saved = {name: os.environ.get(name) for name in server.env()}
-    os.environ.update(server.env())
     try:
-        boto3.client("s3").create_bucket(Bucket=S3_BUCKET)
-        yield server
+        with patch.dict(os.environ, server.env()):
+            boto3.client("s3").create_bucket(Bucket=S3_BUCKET)
+            yield server
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
         _seaweed.stop(server)
 
 

@@ -17,6 +17,7 @@ from fastloader import DataLoader, ShardedDataset, ShardOrderSampler, cli, pack
 from fastloader.formats.records import PackError
 from fastloader.shards.stores import open_store, read_manifest
 from tests import _seaweed
+from tests._fields import Indexed
 from tests.conftest import S3_BUCKET
 
 SEED = 3
@@ -24,21 +25,10 @@ BUCKET = S3_BUCKET  # the s3 fixture (tests/conftest.py) makes it
 pytestmark = pytest.mark.slow
 
 
-class Fields:
-    def __init__(self, n: int = 300) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict:
-        return {"x": np.full((16, 16), i, np.int32), "y": i}
-
-
 @pytest.fixture(scope="session")
 def url(s3):
     target = f"s3://{BUCKET}/train"
-    pack(Fields(), target, shard_size="48KB", workers=0)
+    pack(Indexed(300), target, shard_size="48KB", workers=0)
     return target
 
 
@@ -67,7 +57,7 @@ def test_info_and_verify_read_a_url(url, capsys):
 
 def test_a_corrupted_shard_on_the_server_is_refused_naming_it(s3, tmp_path, capsys):
     target = f"s3://{BUCKET}/damaged"
-    pack(Fields(100), target, shard_size="48KB", workers=0)
+    pack(Indexed(100), target, shard_size="48KB", workers=0)
     manifest = read_manifest(open_store(target))
     name = manifest.shards[1].name
     client = boto3.client("s3")
@@ -249,7 +239,7 @@ def test_a_server_stopped_mid_epoch_and_started_again_completes_the_epoch(
         monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
         boto3.client("s3").create_bucket(Bucket="restarts")
         target = "s3://restarts/train"
-        pack(Fields(120), target, shard_size="48KB", workers=0)
+        pack(Indexed(120), target, shard_size="48KB", workers=0)
         dataset = ShardedDataset(target, cache_dir=tmp_path / "c", endpoint_url=server.endpoint)
         first = [int(s["y"]) for s in dataset.__getitems__(list(range(40)))]
         _seaweed.stop(server)

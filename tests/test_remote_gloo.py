@@ -25,20 +25,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fastloader import DataLoader, Mix, ShardedDataset, ShardOrderSampler, pack
+from tests._fields import Indexed
 from tests.conftest import S3_BUCKET
 
 pytestmark = pytest.mark.slow
 SEED = 11
 SAMPLES, MIXED = 480, 200  # the sharded pack's samples; the mix's samples per epoch
 TIMEOUT_S = 300  # a run of ranks that takes longer is killed and fails the test
-
-
-class Fields:
-    def __len__(self) -> int:
-        return SAMPLES
-
-    def __getitem__(self, i: int) -> dict:
-        return {"x": np.full((6, 6), i, np.int32), "y": i}
 
 
 class Local:
@@ -54,7 +47,7 @@ class Local:
 @pytest.fixture(scope="module")
 def url(s3):
     target = f"s3://{S3_BUCKET}/gloo"
-    pack(Fields(), target, shard_size="32KB", workers=0)  # 12 shards
+    pack(Indexed(SAMPLES, side=6), target, shard_size="32KB", workers=0)  # 12 shards
     return target
 
 

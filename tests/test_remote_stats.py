@@ -19,6 +19,7 @@ from fastloader.stats.downloads import (
     DownloadStats,
 )
 from fastloader.stats.epoch import EpochStats
+from tests._fields import Indexed
 from tests.conftest import S3_BUCKET
 
 SEED = 5
@@ -26,18 +27,10 @@ MB = 1 << 20
 SHARD_SIZE = "32KB"  # 6 shards of 240 samples
 
 
-class Fields:
-    def __len__(self) -> int:
-        return 240
-
-    def __getitem__(self, i: int) -> dict:
-        return {"x": np.full((6, 6), i, np.int32), "y": i}
-
-
 @pytest.fixture(scope="module")
 def url(s3):
     target = f"s3://{S3_BUCKET}/stats"
-    pack(Fields(), target, shard_size=SHARD_SIZE, workers=0)
+    pack(Indexed(240, side=6), target, shard_size=SHARD_SIZE, workers=0)
     return target
 
 
@@ -158,7 +151,7 @@ class Local:
 
 
 def _local_shards(folder):
-    pack(Fields(), folder, shard_size=SHARD_SIZE, workers=0)
+    pack(Indexed(240, side=6), folder, shard_size=SHARD_SIZE, workers=0)
     return folder
 
 

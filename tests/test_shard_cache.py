@@ -16,23 +16,16 @@ from fastloader import pack
 from fastloader.formats.records import PackError
 from fastloader.shards.cache import ShardCache, cache_minimum
 from fastloader.shards.stores import LocalStore, read_manifest
+from tests._fields import Indexed
 from tests._remote_like import RemoteLike, downloads
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-class Fields:
-    def __len__(self) -> int:
-        return 200
-
-    def __getitem__(self, i: int) -> dict:
-        return {"x": np.full((16, 16), i, np.int32), "y": i}
-
-
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     path = tmp_path_factory.mktemp("store") / "train"
-    pack(Fields(), path, shard_size="48KB", workers=0)  # 13 shards
+    pack(Indexed(200), path, shard_size="48KB", workers=0)  # 13 shards
     return path
 
 

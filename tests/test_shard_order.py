@@ -10,25 +10,15 @@ import pytest
 
 from fastloader import DataLoader, ShardedDataset, ShardOrderSampler, pack
 from fastloader.sampling.shard_order import shard_epoch_order
+from tests._fields import Indexed
 
 SEED = 7
-
-
-class Fields:
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict:
-        return {"x": np.full((16, 16), i, np.int32), "y": i}
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     path = tmp_path_factory.mktemp("sharded") / "train"
-    pack(Fields(400), path, shard_size="56KB", workers=0)  # 18 shards
+    pack(Indexed(400), path, shard_size="56KB", workers=0)  # 18 shards
     return path
 
 

@@ -13,19 +13,14 @@ from fastloader.datasets.packs import open_pack
 from fastloader.shards.manifest import MANIFEST_NAME, ManifestError, parse_manifest
 from fastloader.shards.sizes import parse_size
 from fastloader.shards.stores import LocalStore, read_manifest
+from tests._fields import Indexed
 
 
-class Fields:
-    """Samples of two fields whose values name their index."""
+class Fields(Indexed):
+    """300 samples (or ``n``) of 8 x 8 ``x`` and ``y``, both naming their index."""
 
     def __init__(self, n: int = 300) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict:
-        return {"x": np.full((8, 8), i, np.int32), "y": i}
+        super().__init__(n, side=8)
 
 
 @pytest.fixture
