@@ -11,13 +11,13 @@ before the rounds checks its samples against the file (``samples_match``).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import numpy as np
 
@@ -45,20 +45,6 @@ def write_source(dataset: Any, path: Path) -> Path:
             image[index] = sample["image"]
             label[index] = sample["label"]
     return path
-
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _upload(built: dict[str, Any], dataset: Any) -> dict[str, Any]:
@@ -170,7 +156,7 @@ def remote(dataset: Any, rounds: int, workdir: Path) -> dict:
     built = build_peers(source, workdir, len(dataset), SHARD)
     server = _seaweed.start(workdir / "seaweed")
     try:
-        with _environ({**server.env(), "S3_ENDPOINT_URL": server.endpoint}):
+        with patch.dict(os.environ, {**server.env(), "S3_ENDPOINT_URL": server.endpoint}):
             urls = _upload(built, dataset)
             from fastloader import ShardedDataset
 

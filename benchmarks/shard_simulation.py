@@ -27,11 +27,11 @@ Run: ``python -m benchmarks.shard_simulation`` (``--shards``, ``--epoch-s``, ``-
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import time
-from collections.abc import Iterator
+from typing import Any
+from unittest.mock import patch
 
 import numpy as np
 
@@ -63,19 +63,10 @@ def _spans(keys: np.ndarray, count: int) -> tuple[np.ndarray, ...]:
     return key[starts], step[starts], step[ends]
 
 
-@contextlib.contextmanager
-def _world(nodes: int, ranks_per_node: int) -> Iterator[None]:
+def _world(nodes: int, ranks_per_node: int) -> Any:
     """``WORLD_SIZE``/``LOCAL_WORLD_SIZE`` as torchrun sets them, for ``cache_minimum``."""
-    saved = {name: os.environ.get(name) for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE")}
-    os.environ.update(WORLD_SIZE=str(nodes * ranks_per_node), LOCAL_WORLD_SIZE=str(ranks_per_node))
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    world = {"WORLD_SIZE": str(nodes * ranks_per_node), "LOCAL_WORLD_SIZE": str(ranks_per_node)}
+    return patch.dict(os.environ, world)
 
 
 def simulate(shards: int, lanes: int, window: int, epoch_s: float) -> dict:
