@@ -238,22 +238,8 @@ class HDF5Dataset(HDF5Pack, PackedDataset):
 
     Args:
         path: the ``.h5``/``.hdf5`` file.
-        transform: applied to each image of an (image, label) pack (as torchvision
-            transforms are); to the whole sample of a pack of fields, as for a user's file
-            read in place (docs/any-sample.md, "One meaning per argument").
-        target_transform: applied to each label.
-        decode: how images come back: "pil" (RGB image), "tensor" (uint8 CHW), "numpy"
-            (uint8 HWC), or "bytes" (the stored payload). Default "pil" for an (image, label)
-            pack, "numpy" for a pack of fields (arrays, as the file it was made from).
-        verify_checksums: check each record's (or block of rows') checksum as it is read
-            (default True).
-        sample_transform: for a pack of fields, applied to the whole sample after
-            ``transform`` (kept for packs made before ``transform`` took the whole sample).
-        image_transform: for a pack of fields, applied to the image field (the first), fused
-            with decoding where it can be (what ``transform`` did before format 5's
-            release).
-        with_geometry: for a pack of dict samples, add ``"<image field>_geometry"``: the crop
-            box and flip a fused ``transform`` applied (NOTE [ Crop box and flip ]).
+        transform, target_transform, decode, verify_checksums, sample_transform,
+            image_transform, with_geometry: as ``LMDBDataset``'s (one meaning for both formats).
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
