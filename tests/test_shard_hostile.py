@@ -160,33 +160,6 @@ def test_a_symlink_in_the_shard_cache_is_refused(tmp_path):
     assert dataset[len(dataset) - 1]["a"][0] == 59  # a shard downloaded and checked reads
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps, fork")
-def test_a_forked_worker_checks_lmdb_values_against_the_map_of_every_shard(tmp_path):
-    # NOTE [ Finding LMDB's map ]: a worker forked after the main process read the shards keeps
-    # the parent's maps of them beside its own; wanting exactly one candidate left every such
-    # shard's py-lmdb values checked by their length alone
-    target = _sharded(tmp_path / "pack", "lmdb", Pair())
-    result = _run(
-        f"""
-        import os
-        from fastloader import ShardedDataset
-        from fastloader.formats.lmdb import _map_starts
-        dataset = ShardedDataset({str(target)!r})
-        dataset.read_batch_columns(list(range(len(dataset))))  # every shard opened here
-        pid = os.fork()
-        if pid == 0:
-            dataset.read_batch_columns(list(range(len(dataset))))
-            armed = [bool(_map_starts(p.path, p._handle)) for p in dataset._open.values()]
-            print(len(armed), all(armed), flush=True)
-            os._exit(0)
-        assert os.waitpid(pid, 0)[1] == 0
-        """
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    count, armed = result.stdout.split()
-    assert int(count) >= 3 and armed == "True"
-
-
 @pytest.mark.parametrize("more", [1, -2])
 @pytest.mark.parametrize("backend", sorted(SUFFIX))
 def test_a_shard_holding_another_count_than_the_manifest_says_is_refused(tmp_path, backend, more):

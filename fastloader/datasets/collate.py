@@ -38,7 +38,7 @@ from torch.utils.data import Subset, get_worker_info
 from torch.utils.data import default_collate as torch_default_collate
 
 from fastloader.datasets.columns import ColumnBatch
-from fastloader.formats.mapped_rows import MappedRows, gathered
+from fastloader.formats.mapped_rows import MappedRows, RowsToGather, gathered
 
 __all__ = [
     "PILImagesError",
@@ -180,10 +180,9 @@ PLAIN_KINDS = "biufc"
 def whole(column: Any) -> bool:
     """Whether a ``ColumnBatch`` column becomes its batch tensor whole: rows of a mapped field
     not gathered yet, or a plain numeric array (NOTE [ Batches read by columns ])."""
-    kind = type(column)
-    if kind is MappedRows:
+    if isinstance(column, RowsToGather):
         return True
-    return kind is np.ndarray and column.dtype.kind in PLAIN_KINDS and column.dtype.isnative
+    return type(column) is np.ndarray and column.dtype.kind in PLAIN_KINDS and column.dtype.isnative
 
 
 def _collate_columns(batch: ColumnBatch) -> dict[str, Any]:
@@ -203,11 +202,11 @@ def _collate_columns(batch: ColumnBatch) -> dict[str, Any]:
 def _whole_tensor(column: Any) -> torch.Tensor:
     """A ``ColumnBatch`` column as its batch tensor: mapped rows gathered straight into it
     (NOTE [ Gathered into the batch tensor ]), an array wrapped (no copy)."""
-    if type(column) is not MappedRows:
+    if not isinstance(column, RowsToGather):
         return torch.from_numpy(column)
     out = np.empty(column.shape, column.dtype)
     tensor = torch.from_numpy(out)
-    source = _address(column.source)
+    source = _address(column.source) if type(column) is MappedRows else tensor.data_ptr()
     if 0 < (tensor.data_ptr() - source) % _PAGE < _ALIASED:  # moved to the source's alignment
         spare = np.empty(column.nbytes + _PAGE, np.uint8)
         at = (source - _address(spare)) % _PAGE

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import os
 import resource
+import time
 from bisect import bisect_right
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,12 @@ from torch.utils.data import Dataset
 
 from fastloader.datasets.columns import ColumnBatch
 from fastloader.datasets.packs import open_pack
-from fastloader.datasets.sharded_columns import column_plan, read_shard_columns
+from fastloader.datasets.shard_gather import ShardMaps
+from fastloader.datasets.sharded_columns import (
+    column_plan,
+    read_columns_by_shard,
+    read_shard_columns,
+)
 from fastloader.formats.packfile import file_identity
 from fastloader.formats.records import PackError
 from fastloader.shards.cache import ShardCache, cache_minimum
@@ -131,13 +136,17 @@ class ShardedDataset(Dataset):
         self._reset()
 
     def _reset(self) -> None:
-        self._open: OrderedDict[int, Any] = OrderedDict()
+        shards = len(self.manifest.shards)
+        self._open: dict[int, Any] = {}
         self._pid = os.getpid()
-        self._reads = 0
+        self._reads = 0  # batches read in this process
+        self._last_read = np.zeros(shards, dtype=np.int64)  # per shard: _reads at its last read
+        self._touched = np.full(shards, -np.inf)  # per shard: when it was last marked used
+        self._maps: ShardMaps | None = None  # NOTE [ One gather across shards ]
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_open=OrderedDict(), _pid=None)  # opened again where it is read
+        state.update(_open={}, _pid=None, _maps=None)  # opened again where it is read
         return state
 
     def __len__(self) -> int:
@@ -153,12 +162,12 @@ class ShardedDataset(Dataset):
         """Shard ``number`` open in this process (NOTE [ Reading a sharded pack ])."""
         if self._pid != os.getpid():
             self._reset()  # a forked child: the parent's handles are not ours
+        self._last_read[number] = self._reads
         pack = self._open.get(number)
         if pack is not None:
-            self._open.move_to_end(number)
             return pack
-        while len(self._open) >= self.open_shards:
-            self._open.popitem(last=False)[1].close()
+        while len(self._open) >= self.open_shards:  # the least recently read closed first
+            self._close_shard(min(self._open, key=self._last_read.__getitem__))
         for attempt in range(3):
             path = self._path(number)
             try:
@@ -172,7 +181,29 @@ class ShardedDataset(Dataset):
                 if self.cache is None or attempt == 2:
                     raise
         self._open[number] = pack
+        self._make_ready(number, pack)
         return pack
+
+    def _make_ready(self, number: int, pack: Any) -> None:
+        """Check every block of shard ``number`` and note where its columns lie, for batches
+        read by one gather per column (NOTE [ One gather across shards ] in shard_gather.py).
+        A damaged block leaves it to the per-shard path, which raises when its rows are read."""
+        if pack.shard_columns is None:
+            return
+        plan, table = pack.shard_columns
+        if pack.verify_checksums:
+            try:
+                table.check_rows(np.arange(table.count, dtype=np.int64))
+            except PackError:
+                return
+        if self._maps is None:
+            self._maps = ShardMaps(len(self.manifest.shards), plan)
+        self._maps.add(number, table)
+
+    def _close_shard(self, number: int) -> None:
+        self._open.pop(number).close()
+        if self._maps is not None:
+            self._maps.remove(number)
 
     def _path(self, number: int) -> Path:
         shard = self.manifest.shards[number]
@@ -213,7 +244,7 @@ class ShardedDataset(Dataset):
         cache = self.cache
         gone = [n for n, p in self._open.items() if not cache.holds(p.path, p.shard_inode)]
         for number in gone:
-            self._open.pop(number).close()
+            self._close_shard(number)
 
     def __getitem__(self, index: int) -> Any:
         return self.getitems_with([index], None)[0]
@@ -240,9 +271,47 @@ class ShardedDataset(Dataset):
 
     def read_batch_columns(self, indices: Sequence[int]) -> ColumnBatch | None:
         """The samples ``indices`` as one ``ColumnBatch`` (NOTE [ Batches read by columns ] in
-        datasets/columns.py), read by columns from each shard and put in the batch's order
-        (NOTE [ A sharded batch read by columns ] in sharded_columns.py); None where the
-        shards' samples need per-sample work. Raises as ``__getitems__``."""
+        datasets/columns.py): one gather per column across the shards where every shard of the
+        batch is ready (NOTE [ One gather across shards ] in shard_gather.py), else read by
+        columns from each shard and put in the batch's order (NOTE [ A sharded batch read by
+        columns ] in sharded_columns.py); None where the shards' samples need per-sample work.
+        Raises as ``__getitems__``."""
+        if self._pid != os.getpid():
+            self._reset()  # once per batch, not per shard: a system call each
+        if self._maps is not None and len(indices):
+            at = np.asarray(indices, dtype=np.int64)
+            if at.ndim == 1 and at.min() >= 0 and at.max() < len(self):
+                shards = np.searchsorted(self._starts, at, side="right") - 1
+                if self._maps.ready[shards].all():
+                    self._note_read(shards)
+                    if self._maps.ready[shards].all():  # still: none was evicted just now
+                        return self._read_ready(at, shards)
+        return self._read_grouped(indices)
+
+    def _read_ready(self, at: np.ndarray, shards: np.ndarray) -> ColumnBatch:
+        """Indices ``at`` of shards ``shards``, every one ready (``read_batch_columns``)."""
+        maps = self._maps
+        assert maps is not None
+        numbers = set(shards.tolist())
+        if self.cache is None:
+            for number in numbers:
+                self._unchanged(self._open[number])
+        self._last_read[shards] = self._reads
+        rows = at - self._starts[shards]
+        columns = maps.fixed_columns(shards, rows, numbers)
+        plan = maps.plan
+        rest = [number for number in range(len(plan)) if number not in columns]
+        if rest:  # ragged and text columns: per shard
+            groups = [
+                (self._open[number].shard_columns[1], False, r, s)
+                for number, r, s in _groups(shards.tolist(), rows.tolist())
+            ]
+            columns.update(read_columns_by_shard(groups, plan, len(at), rest))
+        named = {name: columns[number] for number, (name, _) in enumerate(plan)}
+        return ColumnBatch(named, len(at))
+
+    def _read_grouped(self, indices: Sequence[int]) -> ColumnBatch | None:
+        """``read_batch_columns`` shard by shard."""
         groups = self._grouped_rows(indices)
         if self._pid != os.getpid():
             self._reset()  # once per batch, not per shard: a system call each
@@ -252,7 +321,7 @@ class ShardedDataset(Dataset):
             if pack is None:
                 pack = self._shard(number)
             else:
-                opened.move_to_end(number)
+                self._last_read[number] = self._reads
             self._unchanged(pack)
             if pack.shard_columns is None:
                 return None
@@ -260,29 +329,37 @@ class ShardedDataset(Dataset):
             groups[at] = (pack.shard_columns[1], pack.verify_checksums, rows, slots)
         return None if plan is None else read_shard_columns(groups, plan, len(indices))
 
+    def _note_read(self, shards: np.ndarray) -> None:
+        """A batch of ``shards`` is read: evicted shards closed now and then, and the cache
+        told which shards are in use (at most once a second each)."""
+        self._reads += 1
+        if self._reads % 16 == 0:
+            self._forget_evicted()
+        if self.cache is None:
+            return
+        now = time.monotonic()
+        due = self._touched[shards] <= now - 1.0
+        if due.any():
+            for number in np.unique(shards[due]).tolist():
+                self._touched[number] = now
+                self.cache.touch(self.manifest.shards[number])
+
     def _grouped_rows(self, indices: Sequence[int]) -> list[tuple[Any, list[int], list[int]]]:
         """Per shard read (in the order first read): its number, its rows and their batch
         positions, in batch order; each shard marked used in the cache (NOTE [ A sharded batch
         read by columns ])."""
-        self._reads += 1
-        if self._reads % 16 == 0:
-            self._forget_evicted()
+        if self._pid != os.getpid():
+            self._reset()
         wanted = [int(i) for i in indices]
         if wanted and (min(wanted) < 0 or max(wanted) >= len(self)):
             bad = next(i for i in wanted if not 0 <= i < len(self))
             raise IndexError(f"{self.url}: index {bad} out of range ({len(self)} samples)")
-        starts, groups = self._start_list, {}
-        for slot, index in enumerate(wanted):
-            number = bisect_right(starts, index) - 1
-            group = groups.get(number)
-            if group is None:
-                group = groups[number] = (number, [], [])
-            group[1].append(index - starts[number])
-            group[2].append(slot)
-        if self.cache is not None:
-            for number in groups:
-                self.cache.touch(self.manifest.shards[number])
-        return list(groups.values())
+        starts = self._start_list
+        numbers = [bisect_right(starts, index) - 1 for index in wanted]
+        rows = [index - starts[number] for index, number in zip(wanted, numbers, strict=True)]
+        groups = _groups(numbers, rows)
+        self._note_read(np.array([number for number, _, _ in groups], dtype=np.int64))
+        return groups
 
     def plan_reads(self, indices: np.ndarray) -> None:
         """The indices this rank reads next, in order: shards are downloaded ahead of them."""
@@ -330,9 +407,8 @@ class ShardedDataset(Dataset):
 
     def close(self) -> None:
         """Close every shard open in this process, and stop downloading ahead."""
-        for pack in self._open.values():
-            pack.close()
-        self._open.clear()
+        for number in list(self._open):
+            self._close_shard(number)
         if self.cache is not None:
             self.cache.stop()
 
@@ -342,6 +418,18 @@ class ShardedDataset(Dataset):
             f"ShardedDataset({self.url!r}, {len(self)} samples in "
             f"{len(self.manifest.shards)} shards{where})"
         )
+
+
+def _groups(numbers: list[int], rows: list[int]) -> list[tuple[int, list[int], list[int]]]:
+    """Per shard (in the order first read): its number, its rows and their batch positions."""
+    groups: dict[int, tuple[int, list[int], list[int]]] = {}
+    for slot, (number, row) in enumerate(zip(numbers, rows, strict=True)):
+        group = groups.get(number)
+        if group is None:
+            group = groups[number] = (number, [], [])
+        group[1].append(row)
+        group[2].append(slot)
+    return list(groups.values())
 
 
 # NOTE [ A shard changed on disk ]

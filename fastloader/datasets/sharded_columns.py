@@ -3,6 +3,7 @@ together in the batch's order (NOTE [ A sharded batch read by columns ])."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -11,7 +12,7 @@ from fastloader.datasets.columns import ColumnBatch
 from fastloader.datasets.field_samples import _plan_columns
 from fastloader.formats.mapped_rows import MappedRows, gathered
 
-__all__ = ["column_plan", "read_shard_columns"]
+__all__ = ["column_plan", "read_columns_by_shard", "read_shard_columns"]
 
 # NOTE [ A sharded batch read by columns ]
 # A shuffled batch of 64 reads from up to lanes x window (32) shards. Read sample by sample
@@ -45,19 +46,32 @@ def read_shard_columns(
 ) -> ColumnBatch:
     """The batch from ``(column table, verify checksums, rows, their batch positions)`` per
     shard, read as ``plan`` says (NOTE [ A sharded batch read by columns ])."""
+    columns = read_columns_by_shard(groups, plan, length, range(len(plan)))
+    return ColumnBatch({name: columns[number] for number, (name, _) in enumerate(plan)}, length)
+
+
+def read_columns_by_shard(
+    groups: list[tuple[Any, bool, list[int], list[int]]],
+    plan: list[tuple[str, bool]],
+    length: int,
+    numbers: Iterable[int],
+) -> dict[int, Any]:
+    """Columns ``numbers`` of the batch, each shard's rows read from its column table and put
+    in the batch's order (``read_shard_columns``)."""
+    numbers = list(numbers)
     pieces = []
     for table, verify, rows, slots in groups:
         at = np.array(rows, dtype=np.int64)
         if verify:
             table.check_rows(at)
-        pieces.append((slots, [table.batch(number, at) for number in range(len(plan))]))
+        pieces.append((slots, {number: table.batch(number, at) for number in numbers}))
     batch = {}
-    for number, (name, chw) in enumerate(plan):
+    for number in numbers:
         column = _merged([(slots, columns[number]) for slots, columns in pieces], length)
-        if chw:
+        if plan[number][1]:
             column = np.ascontiguousarray(column.transpose(0, 3, 1, 2))
-        batch[name] = column
-    return ColumnBatch(batch, length)
+        batch[number] = column
+    return batch
 
 
 def _merged(pieces: list[tuple[list[int], Any]], length: int) -> Any:

@@ -29,7 +29,6 @@ from fastloader.formats.lmdb_checks import (
     RecordSpans,
     check_lmdb_file,
     record_key,
-    value_lies_in_file,
     value_span,
 )
 from fastloader.formats.metadata import check_array, check_targets, load_metadata
@@ -40,7 +39,6 @@ _METADATA_KEY = b"__metadata__"
 _TARGETS_KEY = b"__targets__"
 _SOURCES_KEY = b"__sources__"
 _SOURCE_OFFSETS_KEY = b"__source_offsets__"
-_OS_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _FIRST_MAP_SIZE = 64 << 20  # NOTE [ The writer's map grows with the data ]
 _COMMIT_BYTES = 64 << 20
 
@@ -55,8 +53,7 @@ class _Env(NamedTuple):
     view: memoryview  # of ``file``: records are read from it (NOTE [ Record spans ])
     psize: int
     root: int
-    # "records": RecordSpans made at the first record read; "map_starts": where LMDB's map may
-    # be (empty: unknown), found at the first value py-lmdb returns (NOTE [ Finding LMDB's map ])
+    # "records": RecordSpans made at the first record read; "columns": the ColumnTable
     spans: dict[str, Any]
 
     def close(self) -> None:
@@ -80,19 +77,16 @@ class _Env(NamedTuple):
 #    size, last page and root page against the file size, so every page LMDB walks to is in it;
 # 2. the map is only as large as the file (map_size = file size; LMDB raises it only to its
 #    last page, already checked to be inside the file);
-# 3. every value LMDB returns is checked to lie inside [mapping start, start + file size)
-#    before anything reads it (the start comes from /proc/self/maps, NOTE [ Finding LMDB's
-#    map ]; elsewhere only the length is checked against the file size).
-#    Before that, the path to the value is walked in our own read-only map of the file
-#    (lmdb_checks.value_lies_in_file): page numbers, node offsets, the value's size and its
-#    overflow page, all against the file. This must come first: py-lmdb reads one byte of
-#    every page of a value before handing it back (Transaction.get's "preload"; Cursor.value
-#    does the same in py-lmdb 3.0), so a stored size that runs past the map crashed the
-#    process (SIGSEGV or SIGBUS, depending on what lies past the map) before a check on the
-#    returned view could run.
-#    Records (all but the metadata, labels and source paths) skip py-lmdb altogether: they are
-#    read from our own map at spans checked once per leaf page (NOTE [ Record spans ] in
-#    lmdb_checks.py), which makes the check nearly free per read.
+# 3. no value is read through LMDB: every value (records, column parts, the metadata, labels
+#    and source paths) is read from our own read-only map of the file, at the span found by
+#    walking the path to it in that map (lmdb_checks.value_span): page numbers, node offsets,
+#    the value's size and its overflow page, all checked against the file. (py-lmdb reads one
+#    byte of every page of a value before handing it back, so a stored size that ran past the
+#    map crashed the process before a check on the returned view could run; and finding where
+#    LMDB's own map lies meant reading /proc/self/maps, 2 ms an open with many shards open.)
+#    Records' spans are checked once per leaf page (NOTE [ Record spans ] in lmdb_checks.py),
+#    which makes the check nearly free per read. LMDB itself only opens the file and counts
+#    its entries.
 
 
 class _Environments:
@@ -186,46 +180,29 @@ class LMDBPack(PackFile):
     def _close_handle(self, handle: _Env) -> None:
         _environments.release(handle)
 
-    def _get(self, handle: _Env, txn: lmdb.Transaction, key: bytes, what: str) -> memoryview | None:
-        """``txn.get(key)``, checked to lie inside the file (step 3 of
-        NOTE [ LMDB values checked against the file ])."""
-        inside = value_lies_in_file(handle.file, handle.psize, handle.root, key)  # step 3
-        if inside is None:
+    def _get(self, handle: _Env, key: bytes, what: str) -> memoryview | None:
+        """The value under ``key``, read from fastloader's own map of the file at the span
+        walked and checked in it (step 3 of NOTE [ LMDB values checked against the file ])."""
+        span = value_span(handle.file, handle.psize, handle.root, key)
+        if span is None:
             return None
-        if not inside:
+        if span is False or span[0] + span[1] > handle.size:
             raise PackError(f"{self.path}: damaged LMDB file ({what} lies outside the file)")
-        try:
-            value = txn.get(key)
-        except lmdb.Error as error:
-            raise PackError(f"{self.path}: damaged LMDB file reading {what} ({error})") from None
-        if value is None:
-            return None
-        length, starts = len(value), _map_starts(self.path, handle)
-        if not starts:
-            inside = length <= handle.size
-        else:
-            address = _address(value)
-            inside = any(s <= address and address + length <= s + handle.size for s in starts)
-        if not inside:
-            raise PackError(f"{self.path}: damaged LMDB file ({what} lies outside the file)")
-        return value
+        return handle.view[span[0] : span[0] + span[1]]
 
     def _load_index(self, handle: _Env) -> tuple[dict, np.ndarray]:
+        raw = self._get(handle, _METADATA_KEY, "the metadata")
+        metadata = load_metadata(None if raw is None else bytes(raw), self.path, "lmdb")
+        if "columns" in metadata:
+            targets = None  # no labels: NOTE [ Packs laid out by columns ]
+        else:
+            raw_targets = self._get(handle, _TARGETS_KEY, "the labels")
+            if raw_targets is None or len(raw_targets) % 8:
+                raise PackError(f"{self.path}: corrupt pack (label index missing or damaged)")
+            targets = np.frombuffer(raw_targets, "<i8").copy()
+        if metadata["sources"]:
+            self._load_sources(handle, metadata)
         try:
-            with handle.env.begin(buffers=True) as txn:
-                raw = self._get(handle, txn, _METADATA_KEY, "the metadata")
-                metadata = load_metadata(None if raw is None else bytes(raw), self.path, "lmdb")
-                if "columns" in metadata:
-                    targets = None  # no labels: NOTE [ Packs laid out by columns ]
-                else:
-                    raw_targets = self._get(handle, txn, _TARGETS_KEY, "the labels")
-                    if raw_targets is None or len(raw_targets) % 8:
-                        raise PackError(
-                            f"{self.path}: corrupt pack (label index missing or damaged)"
-                        )
-                    targets = np.frombuffer(raw_targets, "<i8").copy()
-                if metadata["sources"]:
-                    self._load_sources(handle, txn, metadata)
             entries = handle.env.stat()["entries"]
         except lmdb.Error as error:
             raise PackError(f"{self.path}: damaged LMDB file ({error})") from None
@@ -251,16 +228,12 @@ class LMDBPack(PackFile):
         return handle.spans
 
     def _column_part(self, handle: _Env, name: str, segment: int) -> np.ndarray | None:
-        span = value_span(handle.file, handle.psize, handle.root, column_key(name, segment))
-        if span is None:
-            return None
-        if span is False or span[0] + span[1] > handle.size:
-            raise PackError(f"{self.path}: damaged LMDB file ({name} lies outside the file)")
-        return np.frombuffer(handle.view[span[0] : span[0] + span[1]], np.uint8)
+        value = self._get(handle, column_key(name, segment), name)
+        return None if value is None else np.frombuffer(value, np.uint8)
 
-    def _load_sources(self, handle: _Env, txn: lmdb.Transaction, metadata: dict) -> None:
-        offsets = self._get(handle, txn, _SOURCE_OFFSETS_KEY, "the source path offsets")
-        blob = self._get(handle, txn, _SOURCES_KEY, "the source paths")
+    def _load_sources(self, handle: _Env, metadata: dict) -> None:
+        offsets = self._get(handle, _SOURCE_OFFSETS_KEY, "the source path offsets")
+        blob = self._get(handle, _SOURCES_KEY, "the source paths")
         if offsets is None or blob is None or len(offsets) != 8 * (metadata["count"] + 1):
             raise PackError(f"{self.path}: corrupt pack (source paths missing or damaged)")
         check_array(offsets, "source_offsets", metadata, self.path)
@@ -270,21 +243,14 @@ class LMDBPack(PackFile):
             raise PackError(f"{self.path}: corrupt pack (source path offsets do not fit)")
 
     def _read_source(self, handle: _Env, position: int) -> bytes:
-        try:
-            return self._read_source_in(handle, position)
-        except lmdb.Error as error:
-            raise PackError(f"{self.path}: damaged LMDB file ({error})") from None
-
-    def _read_source_in(self, handle: _Env, position: int) -> bytes:
-        with handle.env.begin(buffers=True) as txn:
-            offsets = self._get(handle, txn, _SOURCE_OFFSETS_KEY, "the source path offsets")
-            blob = self._get(handle, txn, _SOURCES_KEY, "the source paths")
-            if offsets is None or blob is None:
-                raise PackError(f"{self.path}: corrupt pack (source paths missing)")
-            start, end = struct.unpack_from("<qq", offsets, 8 * position)
-            if not 0 <= start <= end <= len(blob):
-                raise PackError(f"{self.path}: damaged source path of record {position}")
-            return bytes(blob[start:end])
+        offsets = self._get(handle, _SOURCE_OFFSETS_KEY, "the source path offsets")
+        blob = self._get(handle, _SOURCES_KEY, "the source paths")
+        if offsets is None or blob is None:
+            raise PackError(f"{self.path}: corrupt pack (source paths missing)")
+        start, end = struct.unpack_from("<qq", offsets, 8 * position)
+        if not 0 <= start <= end <= len(blob):
+            raise PackError(f"{self.path}: damaged source path of record {position}")
+        return bytes(blob[start:end])
 
     def _record_spans(
         self, handle: _Env, positions: Sequence[int], advice: ReadAdvice
@@ -333,68 +299,6 @@ class LMDBPack(PackFile):
             value = None if span is None else handle.view[span[0] : span[0] + span[1]]
             results.append(use(index, value))
         return results
-
-
-def _address(buffer: Any) -> int:
-    return np.frombuffer(buffer, dtype=np.uint8).__array_interface__["data"][0]
-
-
-def _map_starts(path: Path, handle: _Env) -> tuple[int, ...]:
-    """The addresses LMDB's map for ``handle`` may be at (step 3 of NOTE [ LMDB values checked
-    against the file ]), found once per handle, at its first value (NOTE [ Finding LMDB's
-    map ]); empty where unknown."""
-    found = handle.spans.get("map_starts")
-    if found is None:
-        map_size = handle.env.info()["map_size"]
-        found = mapping_starts(path, handle.identity, map_size, besides=_address(handle.view))
-        handle.spans["map_starts"] = found
-    return found
-
-
-def mapping_starts(
-    path: Path, identity: tuple[int, int, int, int], map_size: int, besides: int | None = None
-) -> tuple[int, ...]:
-    """The addresses at which this process maps ``path`` as LMDB maps it; empty if unknown.
-
-    Read from ``/proc/self/maps`` (Linux): the mappings of this inode at offset 0 whose length
-    is the map size, other than the one at ``besides`` (fastloader's own map of the file).
-    Empty where there is no such file or no such mapping.
-    """
-    # NOTE [ Finding LMDB's map ]
-    # A process that imported torch (a loader's worker) has hundreds of mappings, a line of
-    # /proc/self/maps each (750 with torch and 19 shards open). Reading and parsing them cost
-    # 1.5-5 ms an open here (17 ms at load 10), most of it the kernel writing the text, paid at
-    # each open of a pack (twice per pack: its index is read and the handle closed, then it is
-    # opened again to read), so at every shard of a sharded pack a process reads. Now (1) the
-    # text is read as bytes in one call and only the lines that carry this inode are parsed (a
-    # substring search, in C), and (2) it is read only when py-lmdb first hands
-    # back a value (the metadata, labels and source paths: records and column parts are read
-    # from fastloader's own map and need no address), so a handle that reads only records or
-    # columns never reads it. Since fastloader's own map of the file (same inode, offset 0,
-    # same length) exists by then, its address, known exactly, is left out: the rule stays
-    # "a mapping of this file at offset 0 of the map's length that is not our own". There may be
-    # several: a forked worker keeps the maps its parent had of the shards it read (a column
-    # table still viewing one keeps it mapped), beside its own. Each holds the file's bytes
-    # from its start, so a value inside any of them lies inside the file; requiring exactly one
-    # left every shard the parent had read on the length check alone in every worker.
-    length = -(-map_size // _OS_PAGE) * _OS_PAGE
-    try:
-        with open("/proc/self/maps", "rb") as maps:
-            text = maps.read()
-    except OSError:
-        return ()
-    found = []
-    needle = b" %d " % identity[1]  # "start-end perms offset device inode path"
-    at = text.find(needle)
-    while at >= 0:
-        fields = text[text.rfind(b"\n", 0, at) + 1 : at].split()
-        at = text.find(needle, at + 1)
-        if len(fields) != 4 or int(fields[2], 16) != 0:
-            continue  # another inode's line that holds these digits in its path, or offset
-        start, end = (int(value, 16) for value in fields[0].split(b"-"))
-        if end - start == length and start != besides:
-            found.append(start)
-    return tuple(found)
 
 
 class LMDBWriter(PackWriter):

@@ -6,10 +6,27 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MappedRows", "gathered"]
+__all__ = ["MappedRows", "RowsToGather", "gathered"]
 
 
-class MappedRows:
+class RowsToGather:
+    """Rows of a batch column not copied yet: ``array()`` gathers them into a new array,
+    ``into(out)`` straight into ``out`` (a batch tensor's array, a worker's shared-memory
+    slot); ``dtype``, ``shape`` and ``nbytes`` are the gathered array's."""
+
+    __slots__ = ()
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+    def array(self) -> np.ndarray:
+        raise NotImplementedError
+
+    def into(self, out: np.ndarray) -> None:
+        raise NotImplementedError
+
+
+class MappedRows(RowsToGather):
     """Rows ``rows`` (checked in range) of the mapped array ``source``, not yet copied.
 
     ``array()`` gathers them into a new array, as ``source[rows]``; ``into(out)`` gathers them
@@ -44,5 +61,5 @@ class MappedRows:
 
 
 def gathered(column: Any) -> Any:
-    """``column``, gathered into an array if it is ``MappedRows``."""
-    return column.array() if type(column) is MappedRows else column
+    """``column``, gathered into an array if it is ``RowsToGather``."""
+    return column.array() if isinstance(column, RowsToGather) else column

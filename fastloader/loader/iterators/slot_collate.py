@@ -21,7 +21,7 @@ from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_
 from fastloader.datasets.collate import DEFAULT_COLLATES, PLAIN_KINDS, whole
 from fastloader.datasets.collate import default_collate as fastloader_default_collate
 from fastloader.datasets.columns import ColumnBatch
-from fastloader.formats.mapped_rows import MappedRows
+from fastloader.formats.mapped_rows import RowsToGather
 from fastloader.loader.transport.send import Gather, Stack
 
 
@@ -79,7 +79,7 @@ def _collate_columns(batch: ColumnBatch) -> dict[str, Any]:
     # a numeric column is the batch tensor: the transport copies it into the slot whole, and
     # gathers a mapped field's rows straight into it
     return {
-        name: (Gather(column) if type(column) is MappedRows else torch.from_numpy(column))
+        name: (Gather(column) if isinstance(column, RowsToGather) else torch.from_numpy(column))
         if whole(column)
         else collate(list(column), collate_fn_map=_MAP)
         for name, column in batch.columns.items()

@@ -86,7 +86,7 @@ class Stack:
 
 
 class Gather:
-    """Rows of a mapped file (``formats.mapped_rows.MappedRows``) to be gathered straight into
+    """Rows of mapped files (``formats.mapped_rows.RowsToGather``) to be gathered straight into
     the slot: one copy (NOTE [ Batches read by columns ]). Arrives as a tensor."""
 
     __slots__ = ("rows", "dtype")
