@@ -144,7 +144,8 @@ class LoaderStatsMonitor(pl.Callback):
     ``DownloadStats``, NOTE [ Download stats ] in stats/downloads.py) under
     ``{prefix}downloads/``: ``wait_share`` (0-1: the share of the loading processes' time spent
     waiting for downloads), ``wait_s``, ``hit_rate`` (0-1), ``shards``, ``bytes``, ``requests``,
-    ``evictions``, ``bytes_per_s`` and ``requests_per_s``; other datasets log none of them.
+    ``evictions``, ``bytes_per_s`` and ``requests_per_s`` (counted when the epoch ends: not
+    for an epoch cut short by ``limit_train_batches``); other datasets log none of them.
     With several training loaders the name of each (its key or position) follows the prefix.
     Other loaders are skipped. See docs/diagnosis.md.
 
