@@ -28,6 +28,7 @@ import lightning.pytorch as pl
 from fastloader.datasets.packs import PackedDataset, open_pack
 from fastloader.formats import read_metadata
 from fastloader.loader.dataloader import DataLoader
+from fastloader.stats.downloads import DownloadStats
 from fastloader.stats.timing import EpochStats
 
 PathLike = str | os.PathLike
@@ -138,9 +139,15 @@ class LoaderStatsMonitor(pl.Callback):
     the share of the epoch spent blocked on data, ``iter()`` and the epoch's first batch
     included), ``{prefix}samples_per_s`` and, when the workers report it,
     ``{prefix}worker_busy`` (0-1), and for a ``fastloader.Mix`` the realised share of each
-    source in the epoch, ``{prefix}source_share/{name}`` (0-1). With several training loaders
-    the name of each (its key or position) follows the prefix. Other loaders are skipped. See
-    docs/diagnosis.md.
+    source in the epoch, ``{prefix}source_share/{name}`` (0-1). For a dataset that downloads
+    shards (a ``ShardedDataset`` of a URL) it also logs the epoch's downloads (``loader.stats``'
+    ``DownloadStats``, NOTE [ Download stats ] in stats/downloads.py) under
+    ``{prefix}downloads/``: ``wait_share`` (0-1: the share of the loading processes' time spent
+    waiting for downloads), ``wait_s``, ``hit_rate`` (0-1), ``shards``, ``bytes``, ``requests``,
+    ``evictions``, ``bytes_per_s`` and ``requests_per_s`` (counted when the epoch ends: not
+    for an epoch cut short by ``limit_train_batches``); other datasets log none of them.
+    With several training loaders the name of each (its key or position) follows the prefix.
+    Other loaders are skipped. See docs/diagnosis.md.
 
     Example::
 
@@ -148,7 +155,8 @@ class LoaderStatsMonitor(pl.Callback):
 
     Args:
         prefix: prepended to each metric name.
-        verbose: also print each epoch's one-line diagnosis (``LoaderStats.summary``) on rank 0.
+        verbose: also print each epoch's one-line diagnosis (``LoaderStats.summary``) on rank 0:
+            with downloads, their figures, and the advice when readers waited for them.
     """
 
     def __init__(self, prefix: str = "data/", verbose: bool = False) -> None:
@@ -164,13 +172,7 @@ class LoaderStatsMonitor(pl.Callback):
             if epoch is None:
                 continue
             key = self.prefix + (f"{name}/" if len(loaders) > 1 else "")
-            metrics[key + "wait_fraction"] = epoch.wait_fraction
-            metrics[key + "samples_per_s"] = epoch.samples_per_s
-            busy = epoch.worker_busy_fraction
-            if busy is not None:
-                metrics[key + "worker_busy"] = busy
-            for source, share in (epoch.source_shares or {}).items():  # a fastloader.Mix
-                metrics[key + f"source_share/{source}"] = share
+            metrics |= {key + figure: value for figure, value in _figures(epoch).items()}
             if self.verbose:
                 from lightning.pytorch.utilities import rank_zero_info
 
@@ -190,6 +192,36 @@ def _named_loaders(loaders: Any) -> list[tuple[str, DataLoader]]:
     else:
         return []
     return [(str(name), loader) for name, loader in items if isinstance(loader, DataLoader)]
+
+
+def _figures(epoch: EpochStats) -> dict[str, float]:
+    """An epoch's figures, named as logged after the prefix (``LoaderStatsMonitor``)."""
+    figures = {"wait_fraction": epoch.wait_fraction, "samples_per_s": epoch.samples_per_s}
+    busy = epoch.worker_busy_fraction
+    if busy is not None:
+        figures["worker_busy"] = busy
+    for source, share in (epoch.source_shares or {}).items():  # a fastloader.Mix
+        figures[f"source_share/{source}"] = share
+    if epoch.downloads is not None:  # a ShardedDataset of a URL
+        for figure, value in _download_figures(epoch.downloads).items():
+            figures[f"downloads/{figure}"] = value
+    return figures
+
+
+def _download_figures(downloads: DownloadStats) -> dict[str, float]:
+    """What a user charts of an epoch's downloads, as floats (Lightning logs floats)."""
+    figures = {
+        "wait_share": downloads.wait_share,
+        "wait_s": downloads.wait_s,
+        "hit_rate": downloads.hit_rate,
+        "shards": downloads.downloads,
+        "bytes": downloads.bytes_downloaded,
+        "requests": downloads.requests,
+        "evictions": downloads.evictions,
+        "bytes_per_s": downloads.bytes_per_s,
+        "requests_per_s": downloads.requests_per_s,
+    }
+    return {figure: float(value) for figure, value in figures.items()}
 
 
 def _epoch_of(loader: DataLoader) -> EpochStats | None:

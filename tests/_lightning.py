@@ -8,16 +8,17 @@ import torch
 
 def cpu_trainer(**kwargs) -> lightning.Trainer:
     """A trainer on one CPU device that writes nothing of its own (no logger, checkpoints,
-    progress bar or model summary); ``kwargs`` go to ``lightning.Trainer``."""
-    return lightning.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
+    progress bar or model summary); ``kwargs`` go to ``lightning.Trainer`` (a ``logger``
+    given replaces none)."""
+    quiet = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    return lightning.Trainer(**(quiet | kwargs))
 
 
 class LinearModule(lightning.LightningModule):
