@@ -10,7 +10,7 @@ import torch
 
 from fastloader.formats.mapped_rows import RowsToGather
 
-__all__ = ["ScatteredRows", "ShardMaps", "gather_rows"]
+__all__ = ["ScatteredRows", "ShardMaps", "memory_view"]
 
 # NOTE [ One gather across shards ]
 # A shuffled batch of 64 reads 2-3 rows from each of up to lanes x window (32) shards. Read per
@@ -37,28 +37,34 @@ __all__ = ["ScatteredRows", "ShardMaps", "gather_rows"]
 
 
 class ScatteredRows(RowsToGather):
-    """Rows of one fixed column of several shards, by address, not yet copied: read as
-    ``MappedRows`` (``array()``, ``into(out)``); ``keep`` holds their maps (NOTE [ One gather
-    across shards ])."""
+    """Rows of one fixed column of several shards, not yet copied: row ``i`` is the row of
+    ``memory`` (``memory_view``) at ``offsets[i]``. Read as ``MappedRows`` (``array()``,
+    ``into(out)``); ``keep`` holds the shards' maps (NOTE [ One gather across shards ])."""
 
-    __slots__ = ("addresses", "dtype", "row_shape", "width", "keep")
+    __slots__ = ("offsets", "memory", "dtype", "row_shape", "width", "keep")
 
     def __init__(
-        self, addresses: np.ndarray, dtype: np.dtype, row_shape: tuple, width: int, keep: Any
+        self,
+        offsets: np.ndarray,
+        memory: torch.Tensor,
+        dtype: np.dtype,
+        row_shape: tuple,
+        keep: tuple,
     ) -> None:
-        self.addresses = addresses
+        self.offsets = offsets
+        self.memory = memory
         self.dtype = dtype
         self.row_shape = row_shape
-        self.width = width
+        self.width = memory.shape[1]
         self.keep = keep
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (len(self.addresses), *self.row_shape)
+        return (len(self.offsets), *self.row_shape)
 
     @property
     def nbytes(self) -> int:
-        return len(self.addresses) * self.width
+        return len(self.offsets) * self.width
 
     def array(self) -> np.ndarray:
         out = np.empty(self.shape, self.dtype)
@@ -66,7 +72,9 @@ class ScatteredRows(RowsToGather):
         return out
 
     def into(self, out: np.ndarray) -> None:
-        gather_rows(self.addresses, self.width, out)
+        if len(self.offsets) and self.width:
+            rows = torch.from_numpy(out.reshape(len(self.offsets), -1).view(np.uint8))
+            torch.index_select(self.memory, 0, torch.from_numpy(self.offsets), out=rows)
 
 
 class _Memory:
@@ -84,16 +92,12 @@ class _Memory:
         }
 
 
-def gather_rows(addresses: np.ndarray, width: int, out: np.ndarray) -> None:
-    """Copy ``width`` bytes from each of ``addresses`` (mapped rows, checked) into the rows of
-    ``out`` (C-contiguous, ``len(addresses)`` rows of ``width`` bytes)."""
-    if not len(addresses) or not width:
-        return
-    low = int(addresses.min())
-    rows = int(addresses.max()) - low + 1
-    memory = torch.from_numpy(np.asarray(_Memory(low, rows, width)))
-    into = torch.from_numpy(out.reshape(len(addresses), -1).view(np.uint8))
-    torch.index_select(memory, 0, torch.from_numpy(addresses - low), out=into)
+def memory_view(low: int, high: int, width: int) -> torch.Tensor:
+    """The bytes ``[low, high)`` (mapped rows of ``width`` bytes) as a uint8 tensor of
+    overlapping rows, row ``k`` the ``width`` bytes at ``low + k``: ``index_select`` of row
+    offsets gathers rows (NOTE [ One gather across shards ]). Never read but by offsets of
+    rows inside the maps."""
+    return torch.from_numpy(np.asarray(_Memory(low, high - low - width + 1, width)))
 
 
 def _fast_column(table: Any, number: int) -> tuple[np.dtype, tuple, int, int] | None:
@@ -105,20 +109,27 @@ def _fast_column(table: Any, number: int) -> tuple[np.dtype, tuple, int, int] | 
     rows = column.rows[0]
     if not rows.dtype.isnative or not rows.flags.c_contiguous or len(rows) != table.count:
         return None
-    width = rows[:1].nbytes
-    return rows.dtype, rows.shape[1:], width, rows.__array_interface__["data"][0]
+    if not rows[:1].nbytes:
+        return None
+    return rows.dtype, rows.shape[1:], rows[:1].nbytes, rows.__array_interface__["data"][0]
 
 
 class ShardMaps:
     """Per process: where each ready shard's fixed columns lie (NOTE [ One gather across
-    shards ]). ``plan`` is the shards' ``(name, CHW image)`` per column."""
+    shards ]). ``plan`` is the shards' ``(name, CHW image)`` per column.
+
+    ``ready`` has one entry more than there are shards, always False, so that a shard number
+    of -1 or ``shards`` (an index out of range) is never ready."""
 
     def __init__(self, shards: int, plan: list[tuple[str, bool]]) -> None:
         self.plan = plan
-        self.ready = np.zeros(shards, dtype=bool)
+        self.ready = np.zeros(shards + 1, dtype=bool)
         self.tables: list[Any] = [None] * shards
         self.kinds: list[tuple | None] | None = None  # per column: (dtype, shape, width) or None
-        self.bases = np.zeros((len(plan), shards), dtype=np.int64)
+        self.bases = np.zeros((len(plan), shards + 1), dtype=np.int64)
+        self.ends = np.zeros(shards + 1, dtype=np.int64)  # rows per ready shard
+        self._views: list[tuple[np.ndarray, torch.Tensor] | None] | None = None
+        self._keep: tuple = ()
 
     def add(self, number: int, table: Any) -> bool:
         """Make shard ``number`` ready with its (fully checked) column ``table``; False where
@@ -133,29 +144,52 @@ class ShardMaps:
             if item is not None:
                 self.bases[column, number] = item[3]
         self.tables[number] = table
+        self.ends[number] = table.count
         self.ready[number] = True
+        self._views = None
         return True
 
     def remove(self, number: int) -> None:
         """Shard ``number`` is closed in this process."""
-        self.ready[number] = False
-        self.tables[number] = None
-        self.bases[:, number] = 0
+        if self.ready[number]:
+            self.ready[number] = False
+            self.tables[number] = None
+            self._views = None
 
-    def fixed_columns(
-        self, shards: np.ndarray, rows: np.ndarray, numbers: set[int]
-    ) -> dict[int, Any]:
-        """Each fixed column's rows of the batch (shard ``shards[i]``, row ``rows[i]``, all
-        ready) as ``ScatteredRows``, or gathered and made CHW where the plan says."""
+    def _made_views(self) -> list[tuple[np.ndarray, torch.Tensor] | None]:
+        """Per fast column: each shard's row offset base in its memory view, and the view
+        over every ready shard's rows (made again when shards come or go)."""
         assert self.kinds is not None
-        keep = [self.tables[number] for number in numbers]
+        ready = np.flatnonzero(self.ready)
+        views: list[tuple[np.ndarray, torch.Tensor] | None] = []
+        for column, kind in enumerate(self.kinds):
+            if kind is None or not len(ready):
+                views.append(None)
+                continue
+            width = kind[2]
+            bases = self.bases[column]
+            low = int(bases[ready].min())
+            high = int((bases[ready] + self.ends[ready] * width).max())
+            views.append((bases - low, memory_view(low, high, width)))
+        self._keep = tuple(table for table in self.tables if table is not None)
+        return views
+
+    def fixed_columns(self, shards: np.ndarray, rows: np.ndarray) -> dict[int, Any]:
+        """Each fixed column's rows of the batch (shard ``shards[i]``, row ``rows[i]``, all
+        ready and checked in range) as ``ScatteredRows``, gathered and made CHW where the
+        plan says."""
+        assert self.kinds is not None
+        views = self._views
+        if views is None:
+            views = self._views = self._made_views()
         out: dict[int, Any] = {}
         for column, kind in enumerate(self.kinds):
-            if kind is None:
+            view = views[column]
+            if kind is None or view is None:
                 continue
             dtype, shape, width = kind
-            addresses = self.bases[column][shards] + rows * width
-            value: Any = ScatteredRows(addresses, dtype, shape, width, keep)
+            offsets = view[0][shards] + rows * width
+            value: Any = ScatteredRows(offsets, view[1], dtype, shape, self._keep)
             if self.plan[column][1]:
                 value = np.ascontiguousarray(value.array().transpose(0, 3, 1, 2))
             out[column] = value

@@ -278,27 +278,25 @@ class ShardedDataset(Dataset):
         Raises as ``__getitems__``."""
         if self._pid != os.getpid():
             self._reset()  # once per batch, not per shard: a system call each
-        if self._maps is not None and len(indices):
+        maps = self._maps
+        if maps is not None and len(indices):
             at = np.asarray(indices, dtype=np.int64)
-            if at.ndim == 1 and at.min() >= 0 and at.max() < len(self):
-                shards = np.searchsorted(self._starts, at, side="right") - 1
-                if self._maps.ready[shards].all():
-                    self._note_read(shards)
-                    if self._maps.ready[shards].all():  # still: none was evicted just now
-                        return self._read_ready(at, shards)
+            # an index out of range lies in shard -1 or len(shards): never ready (ShardMaps)
+            shards = np.searchsorted(self._starts, at, side="right") - 1
+            if at.ndim == 1 and maps.ready[shards].all():
+                self._note_read(shards)
+                if self._reads % 16 or maps.ready[shards].all():  # none evicted just now
+                    return self._read_ready(at, shards, maps)
         return self._read_grouped(indices)
 
-    def _read_ready(self, at: np.ndarray, shards: np.ndarray) -> ColumnBatch:
+    def _read_ready(self, at: np.ndarray, shards: np.ndarray, maps: ShardMaps) -> ColumnBatch:
         """Indices ``at`` of shards ``shards``, every one ready (``read_batch_columns``)."""
-        maps = self._maps
-        assert maps is not None
-        numbers = set(shards.tolist())
         if self.cache is None:
-            for number in numbers:
+            for number in set(shards.tolist()):
                 self._unchanged(self._open[number])
         self._last_read[shards] = self._reads
         rows = at - self._starts[shards]
-        columns = maps.fixed_columns(shards, rows, numbers)
+        columns = maps.fixed_columns(shards, rows)
         plan = maps.plan
         rest = [number for number in range(len(plan)) if number not in columns]
         if rest:  # ragged and text columns: per shard
