@@ -3,6 +3,7 @@ shards ])."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -10,7 +11,7 @@ import torch
 
 from fastloader.formats.mapped_rows import RowsToGather
 
-__all__ = ["ScatteredRows", "ShardMaps", "memory_view"]
+__all__ = ["ColumnMemory", "ScatteredRows", "ShardMaps"]
 
 # NOTE [ One gather across shards ]
 # A shuffled batch of 64 reads 2-3 rows from each of up to lanes x window (32) shards. Read per
@@ -37,34 +38,29 @@ __all__ = ["ScatteredRows", "ShardMaps", "memory_view"]
 
 
 class ScatteredRows(RowsToGather):
-    """Rows of one fixed column of several shards, not yet copied: row ``i`` is the row of
-    ``memory`` (``memory_view``) at ``offsets[i]``. Read as ``MappedRows`` (``array()``,
-    ``into(out)``); ``keep`` holds the shards' maps (NOTE [ One gather across shards ])."""
+    """Rows of one fixed column of several shards, not yet copied: read as ``MappedRows``
+    (``array()``, ``into(out)``). ``items`` indexes ``memory`` (``ColumnMemory``): each row's
+    items, or each row's offset; ``keep`` holds the shards' maps (NOTE [ One gather across
+    shards ])."""
 
-    __slots__ = ("offsets", "memory", "dtype", "row_shape", "width", "keep")
+    __slots__ = ("items", "memory", "dtype", "row_shape", "keep")
 
     def __init__(
-        self,
-        offsets: np.ndarray,
-        memory: torch.Tensor,
-        dtype: np.dtype,
-        row_shape: tuple,
-        keep: tuple,
+        self, items: np.ndarray, memory: ColumnMemory, dtype: np.dtype, row_shape: tuple, keep: Any
     ) -> None:
-        self.offsets = offsets
+        self.items = items
         self.memory = memory
         self.dtype = dtype
         self.row_shape = row_shape
-        self.width = memory.shape[1]
         self.keep = keep
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (len(self.offsets), *self.row_shape)
+        return (len(self.items), *self.row_shape)
 
     @property
     def nbytes(self) -> int:
-        return len(self.offsets) * self.width
+        return len(self.items) * self.memory.width
 
     def array(self) -> np.ndarray:
         out = np.empty(self.shape, self.dtype)
@@ -72,32 +68,64 @@ class ScatteredRows(RowsToGather):
         return out
 
     def into(self, out: np.ndarray) -> None:
-        if len(self.offsets) and self.width:
-            rows = torch.from_numpy(out.reshape(len(self.offsets), -1).view(np.uint8))
-            torch.index_select(self.memory, 0, torch.from_numpy(self.offsets), out=rows)
+        self.memory.gather(self.items, out)
 
 
 class _Memory:
-    """What ``np.asarray`` makes a view of: ``rows`` overlapping rows of ``width`` bytes, one
-    starting at each byte from ``address`` (NOTE [ One gather across shards ])."""
+    """What ``np.asarray`` makes a view of: ``shape`` items of ``typestr`` from ``address``,
+    ``strides`` apart (NOTE [ One gather across shards ])."""
 
-    def __init__(self, address: int, rows: int, width: int) -> None:
+    def __init__(self, address: int, shape: tuple, typestr: str, strides: tuple | None) -> None:
         # (address, False): not read-only, or torch warns; nothing ever writes through it
         self.__array_interface__ = {
-            "shape": (rows, width),
-            "strides": (1, 1),
-            "typestr": "|u1",
+            "shape": shape,
+            "strides": strides,
+            "typestr": typestr,
             "data": (address, False),
             "version": 3,
         }
 
 
-def memory_view(low: int, high: int, width: int) -> torch.Tensor:
-    """The bytes ``[low, high)`` (mapped rows of ``width`` bytes) as a uint8 tensor of
-    overlapping rows, row ``k`` the ``width`` bytes at ``low + k``: ``index_select`` of row
-    offsets gathers rows (NOTE [ One gather across shards ]). Never read but by offsets of
-    rows inside the maps."""
-    return torch.from_numpy(np.asarray(_Memory(low, high - low - width + 1, width)))
+#: Most items a row is gathered in by NumPy (else torch gathers it whole, by its offset)
+_ITEMS_PER_ROW = 64
+
+
+class ColumnMemory:
+    """The bytes ``[low, high)`` that hold the ready shards' rows of one fixed column (rows of
+    ``width`` bytes at ``bases``), as what one gather of a batch's rows reads: items of ``unit``
+    bytes (the largest that divides the row and every row's distance from ``low``) for NumPy's
+    ``take``, or, where a row would be more than ``_ITEMS_PER_ROW`` items, overlapping rows
+    one byte apart for torch's ``index_select`` (NOTE [ One gather across shards ]). Never
+    read but at rows inside the maps."""
+
+    def __init__(self, bases: np.ndarray, low: int, high: int, width: int) -> None:
+        self.width = width
+        unit = math.gcd(width, *(int(base) for base in np.unique(bases - low)))
+        if width // unit <= _ITEMS_PER_ROW:
+            self.unit, self.spread = unit, np.arange(width // unit, dtype=np.int64)
+            self.items = np.asarray(_Memory(low, ((high - low) // unit,), f"|V{unit}", None))
+        else:
+            self.unit, self.spread = 0, None
+            shape = (high - low - width + 1, width)
+            self.items = torch.from_numpy(np.asarray(_Memory(low, shape, "|u1", (1, 1))))
+
+    def index(self, offsets: np.ndarray) -> np.ndarray:
+        """What ``gather`` takes for rows at byte ``offsets`` from ``low``."""
+        if self.unit:
+            return (offsets // self.unit)[:, None] + self.spread
+        return offsets
+
+    def gather(self, index: np.ndarray, out: np.ndarray) -> None:
+        """Copy the rows ``index`` names into ``out`` (C-contiguous, in order)."""
+        if not len(index):
+            return
+        rows = out.reshape(len(index), -1).view(np.uint8)
+        if self.unit:
+            into = rows.view(f"V{self.unit}")
+            # "clip" is never used (the items are in range) but, unlike "raise", copies unbuffered
+            np.take(self.items, index, axis=0, out=into, mode="clip")
+        else:
+            torch.index_select(self.items, 0, torch.from_numpy(index), out=torch.from_numpy(rows))
 
 
 def _fast_column(table: Any, number: int) -> tuple[np.dtype, tuple, int, int] | None:
@@ -128,7 +156,7 @@ class ShardMaps:
         self.kinds: list[tuple | None] | None = None  # per column: (dtype, shape, width) or None
         self.bases = np.zeros((len(plan), shards + 1), dtype=np.int64)
         self.ends = np.zeros(shards + 1, dtype=np.int64)  # rows per ready shard
-        self._views: list[tuple[np.ndarray, torch.Tensor] | None] | None = None
+        self._views: list[tuple[np.ndarray, ColumnMemory] | None] | None = None
         self._keep: tuple = ()
 
     def add(self, number: int, table: Any) -> bool:
@@ -156,21 +184,20 @@ class ShardMaps:
             self.tables[number] = None
             self._views = None
 
-    def _made_views(self) -> list[tuple[np.ndarray, torch.Tensor] | None]:
+    def _made_views(self) -> list[tuple[np.ndarray, ColumnMemory] | None]:
         """Per fast column: each shard's row offset base in its memory view, and the view
         over every ready shard's rows (made again when shards come or go)."""
         assert self.kinds is not None
         ready = np.flatnonzero(self.ready)
-        views: list[tuple[np.ndarray, torch.Tensor] | None] = []
+        views: list[tuple[np.ndarray, ColumnMemory] | None] = []
         for column, kind in enumerate(self.kinds):
             if kind is None or not len(ready):
                 views.append(None)
                 continue
-            width = kind[2]
-            bases = self.bases[column]
+            width, bases = kind[2], self.bases[column]
             low = int(bases[ready].min())
             high = int((bases[ready] + self.ends[ready] * width).max())
-            views.append((bases - low, memory_view(low, high, width)))
+            views.append((bases - low, ColumnMemory(bases[ready], low, high, width)))
         self._keep = tuple(table for table in self.tables if table is not None)
         return views
 
@@ -188,8 +215,8 @@ class ShardMaps:
             if kind is None or view is None:
                 continue
             dtype, shape, width = kind
-            offsets = view[0][shards] + rows * width
-            value: Any = ScatteredRows(offsets, view[1], dtype, shape, self._keep)
+            index = view[1].index(view[0][shards] + rows * width)
+            value: Any = ScatteredRows(index, view[1], dtype, shape, self._keep)
             if self.plan[column][1]:
                 value = np.ascontiguousarray(value.array().transpose(0, 3, 1, 2))
             out[column] = value
