@@ -59,6 +59,7 @@ def _graft(target, donor):
     shutil.copyfile(donor / given["name"], target / manifest["shards"][0]["name"])
     manifest["shards"][0].update(count=given["count"], bytes=given["bytes"])
     manifest["shards"][0]["xxh3_64"] = given["xxh3_64"]
+    manifest["shards"][0]["metadata_xxh3_64"] = given["metadata_xxh3_64"]  # its fingerprint
     manifest["count"] = sum(shard["count"] for shard in manifest["shards"])
     (target / "manifest.json").write_text(json.dumps(manifest))
     return manifest["shards"][0]["name"]

@@ -439,9 +439,10 @@ def _groups(numbers: list[int], rows: list[int]) -> list[tuple[int, list[int], l
 # before each batch reads from it (one ``stat`` per shard in the batch, about a microsecond);
 # a change is a PackError naming the shard. The window between that ``stat`` and the copy
 # remains. A cached shard is the cache's (its eviction replaces files: ``_forget_evicted``),
-# but a symbolic link there is none of its files and is refused. What no check here sees is a
-# shard replaced, before it is opened, by another pack's shard of the same size and schema:
-# the manifest's digest of each shard is only checked after a download and by ``--verify``.
+# but a symbolic link there is none of its files and is refused. A shard replaced, before it
+# is opened, by another pack's shard of the same size and schema is refused when it is opened,
+# by the manifest's fingerprint of its metadata (NOTE [ Shard fingerprints ] in
+# shards/manifest.py; a manifest of the previous release has none: run ``--verify`` then).
 
 # NOTE [ Shards that disagree with their manifest ]
 # Every shard is read as the manifest describes the pack: as many samples as its entry says,
@@ -463,6 +464,7 @@ def _check_agrees(pack: Any, manifest: Manifest, number: int, path: Path) -> Non
     problem = problem or _schema_difference(getattr(pack, "schema", None), manifest.schema)
     if problem is None and list(pack.classes) != list(manifest.classes):
         problem = f"classes {list(pack.classes)[:5]}..., the manifest's {manifest.classes[:5]}..."
+    problem = problem or manifest.shards[number].fingerprint_problem(pack.metadata)
     if problem is not None:
         pack.close()
         raise PackError(f"{path}: this shard does not match the sharded pack's manifest: {problem}")

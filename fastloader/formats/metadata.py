@@ -9,6 +9,16 @@ The metadata carries the xxh3_64 checksums of the arrays a pack keeps beside its
 (``labels``, ``offsets`` and the source paths) under ``checksums``, and ``checksum``: the xxh3_64
 of the canonical JSON (sorted keys, compact) of everything else. A reader re-serialises what it
 parsed the same way to check it, so a flipped byte in a class name or a count is found too.
+A pack of records written by this release also keeps ``records``: the xxh3_64 of every record's
+header (``HEADER_SIZE`` bytes, its checksum bound to its position among them), in order. Each
+record is checked against its own header as it is read, so without it nothing in the metadata
+told one pack's records from another's: two packs of the same count, labels and record sizes
+(samples of fields: their labels are all 0) had the same metadata, byte for byte. With it, the
+metadata's ``checksum`` names the pack's contents: a sharded pack's manifest keeps it for each
+shard and a shard is checked against it at every open (NOTE [ The shard manifest ] in
+shards/manifest.py). A pack laid out by columns needs no such entry: its block checksums
+(``sums``) are under ``checksums`` already and every block is checked against them before use.
+Readers never require ``records`` (earlier packs lack it); ``--verify`` checks it where present.
 """
 
 from __future__ import annotations
@@ -43,6 +53,12 @@ def array_checksum(data: bytes | memoryview | np.ndarray) -> str:
     if isinstance(data, np.ndarray):
         data = memoryview(np.ascontiguousarray(data)).cast("B")
     return f"{xxhash.xxh3_64_intdigest(data):016x}"
+
+
+def records_digest() -> Any:
+    """A running xxh3_64 (``update``, ``hexdigest``): of a pack's record headers, in order, it
+    is the ``records`` checksum (NOTE [ Metadata checksums ])."""
+    return xxhash.xxh3_64()
 
 
 def _canonical(metadata: dict[str, Any]) -> bytes:

@@ -21,7 +21,7 @@ import numpy as np
 
 from fastloader.formats.advice import ReadAdvice
 from fastloader.formats.column_reader import ColumnTable
-from fastloader.formats.metadata import array_checksum, dump_metadata, make_metadata
+from fastloader.formats.metadata import array_checksum, dump_metadata, make_metadata, records_digest
 from fastloader.formats.records import (
     HEADER_SIZE,
     UNBOUND_VERSION,
@@ -416,9 +416,8 @@ class PackWriter:
         self.info = dict(info or {})
         self.schema: dict | None = None  # a pack of any sample sets it (formats/fields.py)
         self.columns: dict | None = None  # a pack laid out by columns (column_layout.py)
-        self.count = 0  # records appended so far
-        self.bytes_written = 0
-        self._labels = array("q")
+        self.count = self.bytes_written = 0  # records appended so far, and their bytes
+        self._labels, self._headers = array("q"), records_digest()  # of what append() stores
         self._sources = bytearray()
         self._source_offsets = array("q", [0])
         self._with_sources: bool | None = None  # decided by the first append
@@ -446,6 +445,7 @@ class PackWriter:
             raise ValueError("either every record has a source path or none has")
         record = bind_record(record, self.count)  # NOTE [ Checksums bound to positions ]
         self._put(record)
+        self._headers.update(record[:HEADER_SIZE])
         self._labels.append(int(label))
         if source is not None:
             self._sources += source.encode("utf-8", "surrogateescape")
@@ -465,8 +465,9 @@ class PackWriter:
 
     def metadata_json(self, arrays: dict[str, np.ndarray]) -> bytes:
         """The metadata, as JSON, of the records appended so far and of ``arrays``."""
-        # NOTE [ Metadata checksums ] in metadata.py
         checksums = {name: array_checksum(data) for name, data in arrays.items()}
+        if self.columns is None:  # and the records: NOTE [ Metadata checksums ] in metadata.py
+            checksums["records"] = self._headers.hexdigest()
         return dump_metadata(
             make_metadata(
                 self.backend,

@@ -5,7 +5,9 @@ runs. Opening the pack already checks the metadata (its checksum and every field
 offsets and source paths (their checksums) and the file's structure; then every record is read
 and checked as a training read checks it (checksum, header, label against the label index,
 and in a pack of any sample every field decoded as a read decodes it), without decoding
-images: the checksum already covers every stored byte. A pack laid out by columns (format 5)
+images: the checksum already covers every stored byte; the records' headers, in order, are
+checked against the metadata's ``records`` checksum where it has one (NOTE [ Metadata
+checksums ] in metadata.py: records from another pack). A pack laid out by columns (format 5)
 has every block of rows of every field hashed, and every ragged value decoded; a bad block is
 reported by its first row, the reason naming the field and the rows.
 """
@@ -22,7 +24,8 @@ from typing import Any
 from tqdm import tqdm
 
 from fastloader.formats.fields import FieldsDecoder
-from fastloader.formats.records import PackError, RecordKind
+from fastloader.formats.metadata import records_digest
+from fastloader.formats.records import HEADER_SIZE, PackError, RecordKind
 
 PROG = "fastloader-pack"
 _CHUNK = 1024  # records per read transaction
@@ -88,26 +91,42 @@ def verify(path: str | os.PathLike, progress: bool | None = None) -> VerifyRepor
         if dataset.layout == "columns":  # every block of every field (column_reader.py)
             bad = dataset.column_table().verify()
             return VerifyReport(Path(path), count, bad, time.perf_counter() - started)
+        headers = records_digest()
         with tqdm(
             total=count, desc=f"verify {dataset.path.name}", unit="rec", disable=not show
         ) as bar:
             for start in range(0, count, _CHUNK):
                 positions = range(start, min(start + _CHUNK, count))
-                bad += _check_chunk(dataset, positions)
+                bad += _check_chunk(dataset, positions, headers)
                 bar.update(len(positions))
+        if not bad:
+            _check_records_checksum(dataset, headers.hexdigest())
     finally:
         dataset.close()
     return VerifyReport(Path(path), count, bad, time.perf_counter() - started)
 
 
-def _check_chunk(dataset, positions: range) -> list[tuple[int, str]]:
-    """Check records at ``positions`` in one transaction; one by one if the file fails."""
+def _check_records_checksum(dataset: Any, computed: str) -> None:
+    """Raise PackError naming the pack if its records' headers are not those its metadata's
+    ``records`` checksum names (NOTE [ Metadata checksums ]); a pack without one passes."""
+    stored = dataset.metadata["checksums"].get("records")
+    if stored is not None and stored != computed:
+        raise PackError(
+            f"{dataset.path}: its records are not the ones its metadata was written with "
+            f"(records checksum {computed}, the metadata's {stored}): records of another pack?"
+        )
+
+
+def _check_chunk(dataset, positions: range, headers: Any) -> list[tuple[int, str]]:
+    """Check records at ``positions`` in one transaction; one by one if the file fails.
+    ``headers`` is fed each good record's header, in order (NOTE [ Metadata checksums ])."""
 
     decoder = FieldsDecoder(dataset.schema) if dataset.schema is not None else None
 
     def check(position: int, buffer) -> tuple[int, str] | None:
         try:
             record = dataset._record(position, buffer)
+            headers.update(buffer[:HEADER_SIZE])
             if decoder is not None:  # every field read back, as a training read reads it
                 where = f"{dataset.path} record {position}"
                 if record.kind is not RecordKind.FIELDS:

@@ -259,7 +259,9 @@ class _Run:
             self.classes, self.schema = list(metadata["classes"]), metadata.get("schema")
             self.store_mode = metadata["store"]
         self.skipped += [(f"{name}: {where}", why) for where, why in summary.skipped]
-        shard = Shard(name, summary.count, path.stat().st_size, file_checksum(path))
+        size, digest = path.stat().st_size, file_checksum(path)
+        # the shard's metadata checksum: NOTE [ Shard fingerprints ] in shards/manifest.py
+        shard = Shard(name, summary.count, size, digest, metadata["checksum"])
         if local is not None:
             os.replace(path, local)  # the same file system: _temp_parent
         else:

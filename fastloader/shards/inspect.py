@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from fastloader.formats import read_metadata
 from fastloader.formats.metadata import human_size
 from fastloader.formats.records import PackError
 from fastloader.shards.manifest import MANIFEST_NAME, Manifest, Shard, file_checksum
@@ -37,6 +38,7 @@ def describe_sharded(path_or_url: str, **options: Any) -> str:
         f"count:    {manifest.count}",
         f"size:     {human_size(manifest.size_bytes)} (shards {human_size(min(sizes))} to "
         f"{human_size(max(sizes))})",
+        _fingerprints(manifest),
     ]
     if manifest.schema is not None:
         fields = manifest.schema.get("fields") or []
@@ -45,6 +47,20 @@ def describe_sharded(path_or_url: str, **options: Any) -> str:
     else:
         lines.append(f"classes:  {len(manifest.classes)}")
     return "\n".join(lines)
+
+
+def _fingerprints(manifest: Manifest) -> str:
+    """``--info``'s line on the shards' fingerprints (NOTE [ Shard fingerprints ])."""
+    kept = sum(shard.metadata_xxh3_64 is not None for shard in manifest.shards)
+    if kept == 0:
+        return (
+            "opened:   checked for count, schema and classes only (a manifest without "
+            "fingerprints: run --verify after copying shards)"
+        )
+    return (
+        f"opened:   checked against the metadata fingerprint of {kept} of "
+        f"{len(manifest.shards)} shards, and count, schema and classes"
+    )
 
 
 def check_shard_file(path: Path, shard: Shard, where: str) -> None:
@@ -73,6 +89,9 @@ def _verify_one(store: Store, shard: Shard, tmp: Path) -> list[str]:
     try:
         check_shard_file(local, shard, where)
         report = verify(local, progress=False)
+        problem = shard.fingerprint_problem(read_metadata(local))  # NOTE [ Shard fingerprints ]
+        if problem is not None:
+            raise PackError(f"{where}: {problem}")
         problems = [f"{where}: record {index}: {why}" for index, why in report.bad]
         if report.records != shard.count:
             problems.append(f"{where}: {report.records} records, the manifest says {shard.count}")

@@ -7,15 +7,36 @@ A sharded pack is a folder (or an object-store prefix) of ordinary packs, the sh
     {"format": "fastloader-shards", "version": 1, "backend": "lmdb", "store": "encoded",
      "count": 2000, "classes": [...], "schema": null, "created_by": "fastloader-pack",
      "shards": [{"name": "shard-00000.lmdb", "count": 1000, "bytes": 67108864,
-                 "xxh3_64": "9f86d081884c7d65"}, ...]}
+                 "xxh3_64": "9f86d081884c7d65", "metadata_xxh3_64": "3c2a0e5b7d9f1a44"}, ...]}
 
 ``xxh3_64`` is the XXH3-64 digest of the shard file's bytes, checked after every download and
-by ``--verify``; inside each shard, records keep their own checksums. The manifest is written
-LAST and atomically (a temporary name renamed, or one PUT), so a killed or failed packer never
-leaves a sharded pack that opens. It is untrusted input when read: its size and depth are
-bounded (formats/bounded_json.py), and every field is checked before anything is used —
-names that could leave the folder, absurd counts or sizes, a newer version — each refused by a
-``ManifestError`` naming the field.
+by ``--verify``; inside each shard, records keep their own checksums. ``metadata_xxh3_64`` is
+the shard's metadata ``checksum``, checked at every open (NOTE [ Shard fingerprints ]). The
+manifest is written LAST and atomically (a temporary name renamed, or one PUT), so a killed or
+failed packer never leaves a sharded pack that opens. It is untrusted input when read: its
+size and depth are bounded (formats/bounded_json.py), and every field is checked before
+anything is used — names that could leave the folder, absurd counts or sizes, a newer version
+— each refused by a ``ManifestError`` naming the field.
+
+NOTE [ Shard fingerprints ]
+A folder of shards is read in place, so the whole-file digest is not checked when a shard is
+opened (hashing 64 MB on a shared file system at every open costs more than the read). A shard
+replaced before it is opened by another pack's shard of the same size, count, schema and
+classes was read as it was: wrong samples, silently (issue 37). So the packer keeps, per shard,
+``metadata_xxh3_64``: the ``checksum`` of the shard's metadata, which the reader has already
+recomputed and checked when it opened the pack (NOTE [ Metadata checksums ] in
+formats/metadata.py); comparing it (``Shard.fingerprint_problem``, called where a shard is
+opened) costs about 0.15 us, against 3-4 ms for the open. It pins what is read: the metadata
+holds the checksums of the labels, offsets and source paths; of a pack laid out by columns, the
+checksums of every block of rows (``sums``, checked at open, and every block checked against
+them before its rows are used); of a pack of records, the checksum of every record's header,
+each header holding its record's checksum (NOTE [ Metadata checksums ]). Another pack's shard
+has another metadata checksum unless its contents are the same. What it does not catch: a file
+made by splicing one pack's metadata onto another's records (every record still passes its own
+checksum; only ``--verify`` finds it, by the whole-file digest), and anything made to collide
+with XXH3-64 on purpose: these are checks against accidents, not a signature. The field is
+optional: manifests of the previous release have none (their shards are checked as before), and
+that release ignores it, so the version stays 1.
 """
 
 from __future__ import annotations
@@ -65,6 +86,33 @@ class Shard:
     count: int
     bytes: int
     xxh3_64: str
+    #: the shard's metadata checksum (NOTE [ Shard fingerprints ]); None in older manifests
+    metadata_xxh3_64: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The shard's entry in the manifest's text."""
+        entry = {
+            "name": self.name,
+            "count": self.count,
+            "bytes": self.bytes,
+            "xxh3_64": self.xxh3_64,
+        }
+        if self.metadata_xxh3_64 is not None:
+            entry["metadata_xxh3_64"] = self.metadata_xxh3_64
+        return entry
+
+    def fingerprint_problem(self, metadata: dict[str, Any]) -> str | None:
+        """What is wrong with this shard, opened, when its checked ``metadata`` is not the one
+        this entry names (NOTE [ Shard fingerprints ]); None when it is, or when the entry
+        has no fingerprint (a manifest of the previous release)."""
+        expected = self.metadata_xxh3_64
+        if expected is None or metadata.get("checksum") == expected:
+            return None
+        return (
+            f"its metadata checksum is {str(metadata.get('checksum'))[:20]}, the manifest's "
+            f"metadata_xxh3_64 is {expected} (another pack's shard in its place, or the shard "
+            "written again after the manifest)"
+        )
 
 
 @dataclass
@@ -100,10 +148,7 @@ class Manifest:
             "classes": list(self.classes),
             "schema": self.schema,
             "created_by": self.created_by,
-            "shards": [
-                {"name": s.name, "count": s.count, "bytes": s.bytes, "xxh3_64": s.xxh3_64}
-                for s in self.shards
-            ],
+            "shards": [shard.to_json() for shard in self.shards],
         }
         return dump_exact(value)
 
@@ -214,15 +259,23 @@ def _shards(value: Any, where: str) -> list[Shard]:
         if shard_name in seen or shard_name == MANIFEST_NAME:
             raise _fail(where, f"{name}.name", f"{shard_name!r} appears twice")
         seen.add(shard_name)
-        digest = item.get("xxh3_64")
-        if not isinstance(digest, str) or not _DIGEST.match(digest):
-            raise _fail(where, f"{name}.xxh3_64", "must be 16 lowercase hex digits")
         shards.append(
             Shard(
                 shard_name,
                 _int(item.get("count"), where, f"{name}.count", 1, MAX_SHARD_SAMPLES),
                 _int(item.get("bytes"), where, f"{name}.bytes", 1, MAX_SHARD_BYTES),
-                digest,
+                _digest(item, "xxh3_64", where, name, required=True),
+                _digest(item, "metadata_xxh3_64", where, name, required=False),
             )
         )
     return shards
+
+
+def _digest(item: dict, key: str, where: str, name: str, *, required: bool) -> Any:
+    """``item[key]``, 16 lowercase hex digits; an optional one may be absent (None)."""
+    if not required and key not in item:
+        return None
+    digest = item.get(key)
+    if not isinstance(digest, str) or not _DIGEST.match(digest):
+        raise _fail(where, f"{name}.{key}", "must be 16 lowercase hex digits")
+    return digest
