@@ -98,29 +98,33 @@ class ColumnMemory:
     one byte apart for torch's ``index_select`` (NOTE [ One gather across shards ]). Never
     read but at rows inside the maps."""
 
-    def __init__(self, bases: np.ndarray, low: int, high: int, width: int) -> None:
+    def __init__(
+        self, ready: np.ndarray, low: int, high: int, width: int, first: np.ndarray
+    ) -> None:
+        # first[s]: the byte offset from low of index 0 of shard s, so that index i of shard s
+        # lies at first[s] + i * width (its ready entries: ``ready``)
         self.width = width
-        unit = math.gcd(width, *(int(base) for base in np.unique(bases - low)))
+        unit = math.gcd(width, *(int(offset) for offset in np.unique(first[ready])))
         if width // unit <= _ITEMS_PER_ROW:
             self.unit, self.spread = unit, np.arange(width // unit, dtype=np.int64)
             self.items = np.asarray(_Memory(low, ((high - low) // unit,), f"|V{unit}", None))
         else:
-            self.unit, self.spread = 0, None
+            self.unit, self.spread = 1, None
             shape = (high - low - width + 1, width)
             self.items = torch.from_numpy(np.asarray(_Memory(low, shape, "|u1", (1, 1))))
+        self.first, self.step = first // self.unit, width // self.unit
 
-    def index(self, offsets: np.ndarray) -> np.ndarray:
-        """What ``gather`` takes for rows at byte ``offsets`` from ``low``."""
-        if self.unit:
-            return (offsets // self.unit)[:, None] + self.spread
-        return offsets
+    def index(self, shards: np.ndarray, at: np.ndarray) -> np.ndarray:
+        """What ``gather`` takes for indices ``at`` of shards ``shards`` (ready)."""
+        items = self.first[shards] + at * self.step
+        return items if self.spread is None else items[:, None] + self.spread
 
     def gather(self, index: np.ndarray, out: np.ndarray) -> None:
         """Copy the rows ``index`` names into ``out`` (C-contiguous, in order)."""
         if not len(index):
             return
         rows = out.reshape(len(index), -1).view(np.uint8)
-        if self.unit:
+        if self.spread is not None:
             into = rows.view(f"V{self.unit}")
             # "clip" is never used (the items are in range) but, unlike "raise", copies unbuffered
             np.take(self.items, index, axis=0, out=into, mode="clip")
@@ -149,14 +153,16 @@ class ShardMaps:
     ``ready`` has one entry more than there are shards, always False, so that a shard number
     of -1 or ``shards`` (an index out of range) is never ready."""
 
-    def __init__(self, shards: int, plan: list[tuple[str, bool]]) -> None:
+    def __init__(self, starts: np.ndarray, plan: list[tuple[str, bool]]) -> None:
+        shards = len(starts) - 1
+        self.starts = np.append(starts[:-1], 0)  # the first index of each shard (and a spare)
         self.plan = plan
         self.ready = np.zeros(shards + 1, dtype=bool)
         self.tables: list[Any] = [None] * shards
         self.kinds: list[tuple | None] | None = None  # per column: (dtype, shape, width) or None
         self.bases = np.zeros((len(plan), shards + 1), dtype=np.int64)
         self.ends = np.zeros(shards + 1, dtype=np.int64)  # rows per ready shard
-        self._views: list[tuple[np.ndarray, ColumnMemory] | None] | None = None
+        self._views: list[ColumnMemory | None] | None = None
         self._keep: tuple = ()
 
     def add(self, number: int, table: Any) -> bool:
@@ -184,39 +190,38 @@ class ShardMaps:
             self.tables[number] = None
             self._views = None
 
-    def _made_views(self) -> list[tuple[np.ndarray, ColumnMemory] | None]:
-        """Per fast column: each shard's row offset base in its memory view, and the view
-        over every ready shard's rows (made again when shards come or go)."""
+    def _made_views(self) -> list[ColumnMemory | None]:
+        """Per fast column: the memory of every ready shard's rows (made again when shards
+        come or go)."""
         assert self.kinds is not None
-        ready = np.flatnonzero(self.ready)
-        views: list[tuple[np.ndarray, ColumnMemory] | None] = []
+        ready = self.ready.copy()
+        views: list[ColumnMemory | None] = []
         for column, kind in enumerate(self.kinds):
-            if kind is None or not len(ready):
+            if kind is None or not ready.any():
                 views.append(None)
                 continue
             width, bases = kind[2], self.bases[column]
             low = int(bases[ready].min())
             high = int((bases[ready] + self.ends[ready] * width).max())
-            views.append((bases - low, ColumnMemory(bases[ready], low, high, width)))
+            views.append(ColumnMemory(ready, low, high, width, bases - low - self.starts * width))
         self._keep = tuple(table for table in self.tables if table is not None)
         return views
 
-    def fixed_columns(self, shards: np.ndarray, rows: np.ndarray) -> dict[int, Any]:
-        """Each fixed column's rows of the batch (shard ``shards[i]``, row ``rows[i]``, all
-        ready and checked in range) as ``ScatteredRows``, gathered and made CHW where the
-        plan says."""
+    def fixed_columns(self, shards: np.ndarray, at: np.ndarray) -> dict[int, Any]:
+        """Each fixed column's rows of indices ``at`` (of shards ``shards``, all ready, so in
+        range) as ``ScatteredRows``, gathered and made CHW where the plan says."""
         assert self.kinds is not None
         views = self._views
         if views is None:
             views = self._views = self._made_views()
         out: dict[int, Any] = {}
         for column, kind in enumerate(self.kinds):
-            view = views[column]
-            if kind is None or view is None:
+            memory = views[column]
+            if kind is None or memory is None:
                 continue
-            dtype, shape, width = kind
-            index = view[1].index(view[0][shards] + rows * width)
-            value: Any = ScatteredRows(index, view[1], dtype, shape, self._keep)
+            value: Any = ScatteredRows(
+                memory.index(shards, at), memory, kind[0], kind[1], self._keep
+            )
             if self.plan[column][1]:
                 value = np.ascontiguousarray(value.array().transpose(0, 3, 1, 2))
             out[column] = value

@@ -197,7 +197,7 @@ class ShardedDataset(Dataset):
             except PackError:
                 return
         if self._maps is None:
-            self._maps = ShardMaps(len(self.manifest.shards), plan)
+            self._maps = ShardMaps(self._starts, plan)
         self._maps.add(number, table)
 
     def _close_shard(self, number: int) -> None:
@@ -282,11 +282,14 @@ class ShardedDataset(Dataset):
         if maps is not None and len(indices):
             at = np.asarray(indices, dtype=np.int64)
             # an index out of range lies in shard -1 or len(shards): never ready (ShardMaps)
-            shards = np.searchsorted(self._starts, at, side="right") - 1
+            shards = self._starts.searchsorted(at, side="right") - 1
             if at.ndim == 1 and maps.ready[shards].all():
-                self._note_read(shards)
-                if self._reads % 16 or maps.ready[shards].all():  # none evicted just now
-                    return self._read_ready(at, shards, maps)
+                self._reads += 1
+                if self._reads % 16 == 0:
+                    self._note_reads(shards)
+                    if not maps.ready[shards].all():  # evicted just now
+                        return self._read_grouped(indices)
+                return self._read_ready(at, shards, maps)
         return self._read_grouped(indices)
 
     def _read_ready(self, at: np.ndarray, shards: np.ndarray, maps: ShardMaps) -> ColumnBatch:
@@ -294,12 +297,11 @@ class ShardedDataset(Dataset):
         if self.cache is None:
             for number in set(shards.tolist()):
                 self._unchanged(self._open[number])
-        self._last_read[shards] = self._reads
-        rows = at - self._starts[shards]
-        columns = maps.fixed_columns(shards, rows)
+        columns = maps.fixed_columns(shards, at)
         plan = maps.plan
-        rest = [number for number in range(len(plan)) if number not in columns]
-        if rest:  # ragged and text columns: per shard
+        if len(columns) < len(plan):  # ragged and text columns: per shard
+            rest = [number for number in range(len(plan)) if number not in columns]
+            rows = at - self._starts[shards]
             groups = [
                 (self._open[number].shard_columns[1], False, r, s)
                 for number, r, s in _groups(shards.tolist(), rows.tolist())
@@ -327,10 +329,11 @@ class ShardedDataset(Dataset):
             groups[at] = (pack.shard_columns[1], pack.verify_checksums, rows, slots)
         return None if plan is None else read_shard_columns(groups, plan, len(indices))
 
-    def _note_read(self, shards: np.ndarray) -> None:
-        """A batch of ``shards`` is read: evicted shards closed now and then, and the cache
-        told which shards are in use (at most once a second each)."""
-        self._reads += 1
+    def _note_reads(self, shards: np.ndarray) -> None:
+        """Every 16th batch (``shards``) and every batch read shard by shard: the shards
+        marked read (for ``open_shards``), evicted shards closed, and the cache told which
+        shards are in use (at most once a second each)."""
+        self._last_read[shards] = self._reads
         if self._reads % 16 == 0:
             self._forget_evicted()
         if self.cache is None:
@@ -356,7 +359,8 @@ class ShardedDataset(Dataset):
         numbers = [bisect_right(starts, index) - 1 for index in wanted]
         rows = [index - starts[number] for index, number in zip(wanted, numbers, strict=True)]
         groups = _groups(numbers, rows)
-        self._note_read(np.array([number for number, _, _ in groups], dtype=np.int64))
+        self._reads += 1
+        self._note_reads(np.array([number for number, _, _ in groups], dtype=np.int64))
         return groups
 
     def plan_reads(self, indices: np.ndarray) -> None:
