@@ -169,3 +169,20 @@ def test_each_shard_is_opened_once_an_epoch_and_not_again_the_next(
         assert epochs == [shards, 0]
     else:  # a bound the user set holds: the next epoch reopens what was closed
         assert len(dataset._open) <= open_shards and epochs[1] > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "digest"),
+    [
+        ((0, 0, [250] * 80, 8, 4), "b9b3d2c33c99f96a"),
+        ((7, 3, [13, 0, 250, 1, 99, 400, 2], 3, 2), "7b8caea093d8a2c8"),
+    ],
+)
+def test_the_order_is_the_one_earlier_releases_saved_states_in(args, digest):
+    # a state saved by the last release resumes at its position in this release's order, so
+    # the order of (seed, epoch, counts, lanes, window) never changes (digests of the release
+    # that made the first sharded packs, before its sort was made faster)
+    import xxhash
+
+    order = shard_epoch_order(*args)
+    assert xxhash.xxh3_64_hexdigest(order.astype("<i8").tobytes()) == digest
