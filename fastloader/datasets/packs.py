@@ -27,7 +27,8 @@ from fastloader.datasets.field_samples import (
 )
 from fastloader.formats.hdf5 import HDF5Pack
 from fastloader.formats.lmdb import LMDBPack
-from fastloader.formats.packfile import PackFile, PackWriter, check_file, file_identity
+from fastloader.formats.pack_writer import PackWriter
+from fastloader.formats.packfile import PackFile, check_file, file_identity
 from fastloader.formats.records import PackError, Record, RecordKind
 from fastloader.vision.decoding import fuse
 from fastloader.vision.images import looks_like_image_folder

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from fastloader.formats.column_layout import LAYOUTS
 from fastloader.formats.lmdb import LMDBPack, LMDBWriter
-from fastloader.formats.packfile import PackFile, PackWriter, check_file
+from fastloader.formats.pack_writer import PackWriter
+from fastloader.formats.packfile import PackFile, check_file
 from fastloader.formats.records import (
     FORMAT_VERSION,
     STORE_MODES,

@@ -35,6 +35,7 @@ The metadata says ``"layout": "columns"`` and describes each column under ``"col
 
 from __future__ import annotations
 
+import math
 import mmap
 import re
 import struct
@@ -118,7 +119,8 @@ def head_size(field: dict) -> int:
 
 def row_bytes(column: dict) -> int:
     """Bytes of one row of a fixed column."""
-    return int(np.prod(column["shape"], dtype=np.int64)) * np.dtype(column["dtype"]).itemsize
+    # Python ints: np.prod cost 20 us a call, paid per block when a pack's blocks are checked
+    return math.prod(int(size) for size in column["shape"]) * np.dtype(column["dtype"]).itemsize
 
 
 def check_columns(metadata: dict, path: Path | str) -> dict:

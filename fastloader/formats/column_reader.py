@@ -98,6 +98,7 @@ class _Column:
         self.head = head_size(field)
         self.raw: list[np.ndarray] = []  # each segment's bytes
         self.rows: list[np.ndarray] = []  # fixed: each segment as (rows, *shape)
+        self.width = 0  # bytes per row of a fixed field
         self.offsets: np.ndarray | None = None
         self.heads: np.ndarray | None = None
         self.sums = np.zeros(0, np.uint64)
@@ -179,7 +180,7 @@ class ColumnTable:
         sums = self._small(part, column, "sums", metadata, 8 * self.blocks)
         column.sums = sums.view("<u8")
         if column.fixed:
-            width = row_bytes(spec)
+            width = column.width = row_bytes(spec)
             dtype = np.dtype(spec["dtype"])
             bounds = [width * min(self.segment, self.count - start) for start in self._starts()]
         else:
@@ -251,7 +252,7 @@ class ColumnTable:
         data = column.raw[segment]
         first = segment * self.segment
         if column.fixed:
-            width = row_bytes(column.column)
+            width = column.width
             return data[(start - first) * width : (stop - first) * width]
         ends, base = column.offsets, column.offsets[first]
         return data[ends[start] - base : ends[stop] - base]

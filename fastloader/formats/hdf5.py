@@ -38,7 +38,8 @@ import numpy as np
 
 from fastloader.formats.column_layout import ColumnSpool, part_name
 from fastloader.formats.metadata import check_array, check_targets, load_metadata
-from fastloader.formats.packfile import PackFile, PackWriter
+from fastloader.formats.pack_writer import PackWriter
+from fastloader.formats.packfile import PackFile
 from fastloader.formats.records import PackError
 from fastloader.formats.signatures import HDF5_SIGNATURE, not_hdf5_hint
 

@@ -32,7 +32,8 @@ from fastloader.formats.lmdb_checks import (
     value_span,
 )
 from fastloader.formats.metadata import check_array, check_targets, load_metadata
-from fastloader.formats.packfile import PackFile, PackWriter, file_identity
+from fastloader.formats.pack_writer import PackWriter
+from fastloader.formats.packfile import PackFile, file_identity
 from fastloader.formats.records import PackError
 
 _METADATA_KEY = b"__metadata__"
