@@ -389,11 +389,11 @@ def test_lmdb_record_pointed_at_another_records_pages_fails_its_checksum(tmp_pat
 def test_format_2_packs_are_still_read_and_info_says_their_checksums_are_unbound(
     tmp_path, monkeypatch, fmt
 ):
-    from fastloader.formats import metadata, packfile
+    from fastloader.formats import metadata, pack_writer
 
     with monkeypatch.context() as patched:  # what fastloader wrote before format 3
         patched.setattr(metadata, "FORMAT_VERSION", 2)
-        patched.setattr(packfile, "bind_record", lambda record, position: record)
+        patched.setattr(pack_writer, "bind_record", lambda record, position: record)
         path = _write(tmp_path / f"p.{'lmdb' if fmt == 'lmdb' else 'h5'}", fmt)
     dataset = open_pack(path, decode="numpy")
     assert dataset.metadata["version"] == 2

@@ -174,6 +174,7 @@ class LMDBPack(PackFile):
     """
 
     backend = "lmdb"
+    keeps_index_handle = True  # NOTE [ Fork-safe readers ] in packfile.py
 
     def _open(self) -> _Env:
         return _environments.acquire(self.path)
@@ -218,8 +219,8 @@ class LMDBPack(PackFile):
                 f"{self.path}: corrupt pack ({entries} LMDB entries for {metadata['count']} "
                 f"records)"
             )
-        if "columns" in metadata:
-            self._column_table(handle)  # every part checked when the dataset is made
+        if "columns" in metadata:  # every part checked when the dataset is made
+            self._handle_cache(handle)["columns"] = self._column_table(handle)
             targets = np.broadcast_to(np.int64(0), (metadata["count"],))
         if "columns" in metadata:
             return metadata, targets
