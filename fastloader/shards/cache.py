@@ -301,9 +301,12 @@ class ShardCache:
                 size = temp.stat().st_size
                 digest = file_checksum(temp) if size == shard.bytes else None
                 if digest == shard.xxh3_64:
-                    os.replace(temp, path)
+                    # counted and published before a reader can find it: an epoch that ends
+                    # on this shard, read by another thread or process, counts its download
                     self.stats.downloads += 1
                     self.stats.bytes_downloaded += size
+                    self._publish(force=True)
+                    os.replace(temp, path)
                     return
             except OSError as error:
                 if error.errno in (errno.ENOSPC, errno.EDQUOT):
