@@ -19,16 +19,17 @@ __all__ = ["column_plan", "read_columns_by_shard", "read_shard_columns"]
 # (``getitems_with``: each decoded into a dict, then stacked by the collate) it cost ~6x one
 # pack's batch read by columns, so where no code of the user's runs per sample the batch is
 # read by columns, as one pack's is (``read_columns`` in field_samples.py: the same plan, each
-# block's checksum verified once per process), with what a pack pays once per batch paid once
-# per batch here too, not once per shard: the rows are grouped by shard in one pass of plain
-# Python (64 lookups cost less than the NumPy calls that grouped them), checked in range once
-# for the batch, and each shard gives its column table's ``MappedRows``. Each fixed column is
-# then copied row by row from the shards' maps into one array in the batch's order (one copy,
-# as one pack's gather; a worker copies it into its slot: one copy more than one pack, whose
-# rows are gathered straight into the slot); a ragged or text field is a list. The batch equals
-# ``default_collate`` of the samples. A column stored fixed in one shard and ragged in another
-# (a ragged field whose values in one shard share a shape), or whose shards disagree in shape
-# or dtype, is merged as the list of its rows, which the collate treats as the samples' values.
+# block's checksum verified once per process). Where every shard of the batch is open and
+# checked in this process, each fixed column is one gather across the shards (NOTE [ One
+# gather across shards ] in shard_gather.py); this module is the path for the rest: a batch
+# with a shard not ready yet (its first batches, a shard with a damaged block), and ragged and
+# text columns. The rows are grouped by shard in one pass of plain Python, checked in range
+# once for the batch, and each shard gives its column table's rows; each fixed column is then
+# copied row by row from the shards' maps into one array in the batch's order; a ragged or
+# text field is a list. The batch equals ``default_collate`` of the samples. A column stored
+# fixed in one shard and ragged in another (a ragged field whose values in one shard share a
+# shape), or whose shards disagree in shape or dtype, is merged as the list of its rows, which
+# the collate treats as the samples' values.
 
 
 def column_plan(pack: Any) -> tuple[list[tuple[str, bool]], Any] | None:
