@@ -110,7 +110,7 @@ def test_a_shard_changed_while_a_loader_reads_it_is_refused_naming_it(tmp_path, 
     assert (target / shard).stat().st_size == (other / shard).stat().st_size
     result = _run(
         f"""
-        import os, shutil
+        import os, shutil, time
         import numpy as np
         from fastloader import DataLoader, PackError, ShardedDataset
         target, other, shard = {str(target)!r}, {str(other)!r}, {shard!r}
@@ -127,6 +127,7 @@ def test_a_shard_changed_while_a_loader_reads_it_is_refused_naming_it(tmp_path, 
         else:
             shutil.copyfile(os.path.join(other, shard), path + ".new")
             os.replace(path + ".new", path)
+        time.sleep(0.2)  # a shard's identity is checked again once 0.1 s old
         for read in (lambda: next(iter(loader)), lambda: dataset[3]):
             try:
                 got = read()

@@ -46,6 +46,7 @@ __all__ = ["ShardedDataset"]
 _DEFAULT_LANES, _DEFAULT_WINDOW = 8, 4  # what ShardOrderSampler takes by default
 _DEFAULT_CACHE = 4  # the default cache_limit: this many times the order's minimum
 _OPEN_AT_LEAST = 256  # NOTE [ How many shards stay open ]
+_RECHECK_S = 0.1  # NOTE [ A shard changed on disk ]
 
 # NOTE [ How many shards stay open ]
 # Opening a shard costs 3-5 ms (its metadata, checksums and column table), so a process keeps
@@ -142,6 +143,7 @@ class ShardedDataset(Dataset):
         self._reads = 0  # batches read in this process
         self._last_read = np.zeros(shards, dtype=np.int64)  # per shard: _reads at its last read
         self._touched = np.full(shards, -np.inf)  # per shard: when it was last marked used
+        self._checked = np.full(shards, -np.inf)  # per shard: when its identity was last checked
         self._maps: ShardMaps | None = None  # NOTE [ One gather across shards ]
 
     def __getstate__(self) -> dict[str, Any]:
@@ -294,9 +296,13 @@ class ShardedDataset(Dataset):
 
     def _read_ready(self, at: np.ndarray, shards: np.ndarray, maps: ShardMaps) -> ColumnBatch:
         """Indices ``at`` of shards ``shards``, every one ready (``read_batch_columns``)."""
-        if self.cache is None:
-            for number in set(shards.tolist()):
-                self._unchanged(self._open[number])
+        if self.cache is None:  # NOTE [ A shard changed on disk ]
+            now = time.monotonic()
+            due = self._checked[shards] <= now - _RECHECK_S
+            if due.any():
+                for number in np.unique(shards[due]).tolist():
+                    self._unchanged(self._open[number])
+                    self._checked[number] = now
         columns = maps.fixed_columns(shards, at)
         plan = maps.plan
         if len(columns) < len(plan):  # ragged and text columns: per shard
@@ -440,8 +446,11 @@ def _groups(numbers: list[int], rows: list[int]) -> list[tuple[int, list[int], l
 # shorter, touching a row past the new end kills the process with SIGBUS. So, as for a foreign
 # HDF5 file (NOTE [ A file changed under a reader ] in formats/hdf5_foreign.py), a shard read
 # in place has its identity (device, inode, size, mtime) taken when it is opened and compared
-# before each batch reads from it (one ``stat`` per shard in the batch, about a microsecond);
-# a change is a PackError naming the shard. The window between that ``stat`` and the copy
+# again before a batch reads from it, when its last check is 0.1 s old or more (a ``stat``
+# each: per batch, 32 shards of a batch cost a folder's warm epoch half its speed, and on
+# NFS each is a round trip unless the attributes are cached, for up to a minute by default);
+# a change is a PackError naming the shard. Batches read within 0.1 s of the change, and
+# between a ``stat`` and the copy, may hold its new bytes: that window
 # remains. A cached shard is the cache's (its eviction replaces files: ``_forget_evicted``),
 # but a symbolic link there is none of its files and is refused. A shard replaced, before it
 # is opened, by another pack's shard of the same size and schema is refused when it is opened,
