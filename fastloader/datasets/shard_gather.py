@@ -170,9 +170,11 @@ class ShardMaps:
         it stores a column otherwise than the first ready shard."""
         found = [_fast_column(table, column) for column in range(len(self.plan))]
         kinds = [None if item is None else item[:3] for item in found]
+        if not any(kinds):  # nothing to gather (an empty shard says nothing of the others)
+            return False
         if self.kinds is None:
             self.kinds = kinds
-        if kinds != self.kinds or not any(kinds):
+        if kinds != self.kinds:
             return False
         for column, item in enumerate(found):
             if item is not None:
