@@ -13,6 +13,12 @@ responses (MosaicML streaming's cache held one shard's bytes under another's nam
 (``_client``, keyed by pid) and never pickled, and a forked child drops the clients it
 inherited (``os.register_at_fork``) before it could use one. A body cut off mid-download is
 fetched again from where it stopped (a ranged GET), with backoff, up to ``retries`` times.
+What a child keeps is botocore's loader: the parsed JSON of the service models and endpoints,
+read-only data, no socket, no lock. Parsing it is most of a client's making (~140 ms idle,
+~500 ms on the busy 2-core box: a loader worker that downloaded its first shard itself took
+0.5 s for 4 MB, the cold epoch's critical path); with the parent's loader a child's client
+takes ~20 ms. Its credentials, session and pool are still its own. Clients are made under
+``_MAKING`` (botocore sessions are not thread-safe; two threads needing one wait for one).
 
 NOTE [ Parallel ranged GETs ]
 One S3 connection gives ~100 MB/s at best, and each GET waits a first-byte latency (tens of
@@ -41,13 +47,17 @@ __all__ = ["EXTRA", "S3Store"]
 
 EXTRA = "pip install 'fastloader[remote]'"
 _CLIENTS: dict[tuple, Any] = {}  # (pid, endpoint, retries, timeout) -> this process's client
+_LOADER: list[Any] = []  # botocore's parsed models, kept across a fork (NOTE above)
+_MAKING = threading.Lock()  # clients are made one at a time
 _CHUNK = 8 << 20
 _RANGE_MIN = 8 << 20  # bytes of a range at least: NOTE [ Parallel ranged GETs ]
 _COUNTING = threading.Lock()  # S3Store.requests
 
 
 def _forget_clients() -> None:
+    global _MAKING
     _CLIENTS.clear()  # the parent's connections are not ours: NOTE [ One client per process ]
+    _MAKING = threading.Lock()  # a thread of the parent's may have held it at the fork
 
 
 os.register_at_fork(after_in_child=_forget_clients)
@@ -113,27 +123,39 @@ class S3Store:
     def _client(self) -> Any:
         key = (os.getpid(), self.endpoint_url, self.retries, self.timeout)
         client = _CLIENTS.get(key)
-        if client is None:
-            from botocore.config import Config
+        if client is not None:
+            return client
+        with _MAKING:
+            if key not in _CLIENTS:
+                _CLIENTS[key] = self._new_client()
+            return _CLIENTS[key]
 
-            options = dict(
-                retries={"max_attempts": self.retries, "mode": "standard"},
-                connect_timeout=self.timeout,
-                read_timeout=self.timeout,
-                max_pool_connections=max(10, self.ranges),  # a connection per range
-                # the shard's XXH3 is checked whole (NOTE [ The shard cache ]): botocore's own
-                # checksum of every body as well is work done twice
-                response_checksum_validation="when_required",
-            )
-            try:
-                config = Config(**options)
-            except TypeError:  # botocore before 1.36 validates no response checksums
-                del options["response_checksum_validation"]
-                config = Config(**options)
-            session = _boto3().session.Session()
-            client = session.client("s3", endpoint_url=self.endpoint_url, config=config)
-            _CLIENTS[key] = client
-        return client
+    def _new_client(self) -> Any:
+        """A client of this process's own, on botocore's loader if this process (or its
+        parent, before a fork) has one (NOTE [ One client per process ])."""
+        import botocore.session
+        from botocore.config import Config
+
+        options = dict(
+            retries={"max_attempts": self.retries, "mode": "standard"},
+            connect_timeout=self.timeout,
+            read_timeout=self.timeout,
+            max_pool_connections=max(10, self.ranges),  # a connection per range
+            # the shard's XXH3 is checked whole (NOTE [ The shard cache ]): botocore's own
+            # checksum of every body as well is work done twice
+            response_checksum_validation="when_required",
+        )
+        try:
+            config = Config(**options)
+        except TypeError:  # botocore before 1.36 validates no response checksums
+            del options["response_checksum_validation"]
+            config = Config(**options)
+        session = botocore.session.get_session()
+        if _LOADER:
+            session.register_component("data_loader", _LOADER[0])
+        else:
+            _LOADER.append(session.get_component("data_loader"))
+        return session.create_client("s3", endpoint_url=self.endpoint_url, config=config)
 
     def _call(self, name: str, method: str, **kwargs: Any) -> Any:
         """``client.method(**kwargs)`` with errors that name the object, never credentials."""
