@@ -203,3 +203,70 @@ def test_a_child_forked_while_its_parent_holds_a_lock_does_not_keep_it(tmp_path)
     released.set()  # the parent's lock is gone: the child must get it
     assert result.get(timeout=30) is True
     child.join(30)
+
+
+def _wait_for(condition, seconds=60.0):
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def test_with_room_to_spare_the_plan_is_fetched_beyond_ahead(source, tmp_path):
+    """NOTE [ Spare room ]: readers still at the first shard, ahead=1, and every shard of the
+    plan is downloaded (the cache has room for all of them and the order's minimum)."""
+    log = tmp_path / "log"
+    cache, manifest = _cache(source, tmp_path / "c", log=log)
+    cache.plan(np.arange(len(manifest.shards)), ahead=1)
+    cache.reading_at(0)
+    try:
+        assert _wait_for(lambda: len(downloads(log)) == len(manifest.shards))
+        assert downloads(log) == [s.name for s in manifest.shards]  # in the order of reading
+        assert cache.stats.evictions == 0
+    finally:
+        cache.stop()
+
+
+def test_downloads_beyond_ahead_never_take_the_orders_room_nor_evict(source, tmp_path):
+    """Room for 6 shards, the order needs 4 at once: ahead=1 fetches the shard read and the
+    next; a spare one would leave less than 4 free, so none is fetched, nothing evicted."""
+    manifest = read_manifest(LocalStore(source))
+    biggest = max(s.bytes for s in manifest.shards)
+    log = tmp_path / "log"
+    cache = ShardCache(
+        RemoteLike(source, log=log), manifest, tmp_path / "c", 6 * biggest, 4 * biggest
+    )
+    cache.plan(np.arange(len(manifest.shards)), ahead=1)
+    cache.reading_at(0)
+    try:
+        assert _wait_for(lambda: len(downloads(log)) >= 2)
+        time.sleep(1.0)  # long enough for a spare download to have started
+        assert downloads(log) == [manifest.shards[0].name, manifest.shards[1].name]
+        assert cache.stats.evictions == 0
+        cache.reading_at(300)  # the readers moved on: the next shards within ahead come
+        assert _wait_for(lambda: len(downloads(log)) >= 3)
+    finally:
+        cache.stop()
+
+
+def test_shards_fetched_ahead_and_not_read_yet_are_evicted_last(source, tmp_path):
+    """The least recently touched shard is one fetched ahead for a later read: a shard already
+    read goes instead, so what was fetched ahead is not fetched twice."""
+    sizes = [s.bytes for s in read_manifest(LocalStore(source)).shards]
+    common = max(set(sizes), key=sizes.count)
+    cache, manifest = _cache(source, tmp_path / "c", limit=3 * common)
+    cache.minimum = common  # room to spare: none once three shards are here
+    big = [s for s in manifest.shards if s.bytes == common]
+    numbers = [manifest.shards.index(s) for s in big[:3]]
+    cache.plan(np.array(numbers), ahead=2)  # reads big[0] now; big[1], big[2] fetched ahead
+    cache.reading_at(0)
+    try:
+        assert _wait_for(lambda: all(cache.path(s).exists() for s in big[:3]))
+        for age, shard in ((300, big[1]), (200, big[2]), (100, big[0])):  # oldest: unread ones
+            stamp = time.time() - age
+            os.utime(cache.path(shard), (stamp, stamp))
+        cache.ensure(big[3])
+        held = {p.name for p in cache.folder.iterdir() if not p.name.startswith(".")}
+        assert held == {big[1].name, big[2].name, big[3].name}
+    finally:
+        cache.stop()

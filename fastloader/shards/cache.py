@@ -26,10 +26,9 @@ One folder per sharded pack, ``CACHE_DIR/<hash of the URL>/``, marked as ours by
 * It deletes only what it downloaded: shard names from the manifest (plain names, checked)
   and its own partial files, inside the folder it marked.
 * Download ahead: the main process of each rank runs ``ahead`` threads (one at least) that
-  download the shards its order reads next, in the order it reads them, at most ``ahead``
-  shards beyond the shard being read (``plan``): ``ahead`` downloads in flight at once, each
-  of a large shard itself in parallel ranges (NOTE [ Parallel ranged GETs ] in s3.py). How
-  deep: NOTE [ How far ahead ].
+  download the shards its order reads next, in the order it reads them, ``ahead`` beyond the
+  shard being read and further while there is room to spare (``plan``; NOTE [ How far ahead ],
+  NOTE [ Spare room ]), a large shard in parallel ranges (NOTE [ Parallel ranged GETs ]).
 * Counters: each process writes its ``CacheStats`` (readers' hits and misses, seconds readers
   waited, downloads, bytes and requests, evictions) to ``.stats/HOST-PID.json``;
   ``process_stats`` reads each process's, ``node_stats`` adds them up (workers included).
@@ -93,6 +92,10 @@ os.register_at_fork(
 
 class CacheFullError(OSError):
     """The cache has no room for a shard (its folder, what it holds and the limit named)."""
+
+
+class _NoRoom(Exception):
+    """No room to spare for a spare download (NOTE [ Spare room ])."""
 
 
 @dataclass
@@ -169,7 +172,7 @@ class ShardCache:
                 f"node: at least {human_size(minimum)} ({minimum} bytes: lanes x window shards "
                 "plus the shards downloaded ahead); raise cache_limit or lower lanes/window"
             )
-        self.store, self.limit = store, limit
+        self.store, self.limit, self.minimum = store, limit, minimum
         self.shards = list(manifest.shards)
         self.sizes = {shard.name: shard.bytes for shard in self.shards}
         key = hashlib.sha256(store.url.encode()).hexdigest()[:16]
@@ -185,6 +188,8 @@ class ShardCache:
         self._plan: tuple[np.ndarray, np.ndarray] | None = None
         self._position = 0
         self._ahead = self._next = 0  # how far ahead; the next shard of the plan to fetch
+        self._plans = 0  # plans made: a spare download of an older plan leaves _next alone
+        self._spare: int | None = None  # the position at which a spare download found no room
         self._threads: list[threading.Thread] = []
         self._wake = threading.Condition()  # guards _plan, _position, _ahead, _next
         self._stopped = False
@@ -194,7 +199,7 @@ class ShardCache:
         self._requests_at_start = getattr(self.store, "requests", 0)
 
     def __getstate__(self) -> dict[str, Any]:
-        keep = ("store", "limit", "shards", "sizes", "folder")
+        keep = ("store", "limit", "minimum", "shards", "sizes", "folder")
         return {name: self.__dict__[name] for name in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -222,10 +227,11 @@ class ShardCache:
             with contextlib.suppress(FileNotFoundError):  # atime only: NOTE [ The shard cache ]
                 os.utime(path, ns=(time.time_ns(), path.stat().st_mtime_ns))
 
-    def ensure(self, shard: Shard, *, reader: bool = True) -> Path:
+    def ensure(self, shard: Shard, *, reader: bool = True, spare: bool = False) -> Path | None:
         """The local path of ``shard``, downloaded (once per node) if it is not here.
 
         ``reader=False`` (downloads ahead) leaves the readers' hits, misses and waits alone.
+        ``spare=True`` downloads only into room to spare (NOTE [ Spare room ]): None if none.
 
         Raises:
             PackError: naming the shard, when its bytes twice did not match the manifest.
@@ -244,8 +250,10 @@ class ShardCache:
         try:
             with _locked(self.folder / ".locks" / f"{shard.name}.lock"):
                 if not self._present(path, shard):
-                    self._download(shard, path)
+                    self._download(shard, path, spare)
                 self.touch(shard)
+        except _NoRoom:
+            return None
         finally:
             self.stats.wait_seconds += (time.perf_counter() - started) * reader
             self._publish(force=True)
@@ -289,17 +297,17 @@ class ShardCache:
         except FileNotFoundError:
             return False
 
-    def _download(self, shard: Shard, path: Path) -> None:
+    def _download(self, shard: Shard, path: Path, spare: bool = False) -> None:
         """Holding the shard's lock: fetch, check, rename (fetched once more on a bad check)."""
         where = f"{self.store.url.rstrip('/')}/{shard.name}"
         self._remove_partials(shard.name)
         for _attempt in (1, 2):  # a bad checksum: fetched once more
-            self._reserve(shard)
             temp = self.folder / temp_name(shard.name)
+            self._reserve(shard, temp, spare)
             try:
-                self.store.download(shard.name, temp, size=shard.bytes)  # ranged if large
-                size = temp.stat().st_size
-                digest = file_checksum(temp) if size == shard.bytes else None
+                streamed = self.store.download(shard.name, temp, size=shard.bytes)  # or ranges
+                size = temp.stat().st_size  # the digest of one stream: NOTE [ Hashed on the way ]
+                digest = (streamed or file_checksum(temp)) if size == shard.bytes else None
                 if digest == shard.xxh3_64:
                     os.replace(temp, path)
                     self.stats.downloads += 1
@@ -327,17 +335,23 @@ class ShardCache:
         for stale in self.folder.glob(f".{name}.partial-*"):
             stale.unlink(missing_ok=True)
 
-    def _reserve(self, shard: Shard) -> None:
-        """Make room for ``shard`` under the limit, evicting least recently read shards."""
+    def _reserve(self, shard: Shard, temp: Path, spare: bool = False) -> None:
+        """Make room for ``shard`` (evicting least recently read shards, those fetched ahead and
+        not read yet last), held by its partial file ``temp``; ``spare``: NOTE [ Spare room ]."""
         deadline = time.monotonic() + _WAIT_FOR_ROOM
         while True:
             with _locked(self.folder / ".cache.lock"):
                 used, present = self._usage(shard.name)
+                if spare and used + shard.bytes + self.minimum > self.limit:
+                    raise _NoRoom  # NOTE [ Spare room ]
+                unread = self._unread()
+                present.sort(key=lambda entry: entry[0] in unread)  # stable: LRU otherwise
                 while used + shard.bytes > self.limit and present:
                     name, size = present.pop(0)
                     if self._evict(name):
                         used -= size
                 if used + shard.bytes <= self.limit:
+                    temp.touch()  # counted from now on by every process's _usage
                     return
             if time.monotonic() > deadline:
                 raise CacheFullError(
@@ -378,30 +392,34 @@ class ShardCache:
     # -- download ahead (the main process of each rank) ---------------------------------
 
     # NOTE [ How far ahead ]
-    # ``ahead`` is both how many shards beyond the ones being read are fetched and how many are
-    # in flight at once. The shards being read are those of the chunk of the order the sampler
-    # hands out (256 positions, shard_order.py), so at the start of an epoch the threads fetch
-    # the first batches' shards, in the order they are read, and the workers (which fetch a
-    # shard themselves only when no one holds its lock) fetch fewer with clients of their own.
-    # Measured (benchmarks/remote.py ``link_rows``: cold epochs of 6 000 samples in 19 shards
-    # of 4 MB through a proxy, in a process of its own, that waits 50 ms to the first byte and
-    # sends 100 MB/s per connection; 2 workers; three runs of 3 rounds on the shared 2-core box
-    # at load 3-8): ahead 2 read a cold epoch 1.07-2.0x as fast as ahead 0 or 1 in every run
-    # and ranges setting; ahead 4 0.87-1.15x as fast as ahead 2; 4 ranges per shard instead
-    # of 1 (at ahead 2) 0.95-1.19x. So ``ahead=2`` (ShardedDataset's default): 4 was not
-    # faster in every run and costs the main process CPU and cache room (``cache_minimum``
-    # counts ``ahead`` shards per rank). The box's CPU, not the link, bounded these epochs.
-    # Later, on the final code: 6 000 samples (load 1.4-2.9) ahead 4 0.94x ahead 2; 20 000
-    # samples in 63 shards (load 1.6-4.6) ahead 4 1.48x (1 range) and 1.20x (4 ranges): a
-    # larger dataset's window changes want more ahead, and ``loader.stats`` advises doubling
-    # ``ahead`` (with the cache it needs) when readers' waits for downloads dominate.
+    # ``ahead`` threads fetch the plan's shards in the order they are read, ``ahead`` at once,
+    # at most ``ahead`` beyond the ones being read (the chunk of 256 positions the sampler hands
+    # out, shard_order.py); a worker fetches a shard itself only when no one holds its lock.
+    # Measured (benchmarks/remote.py ``link_rows``: 6 000 samples in 19 shards of 4 MB through
+    # a proxy waiting 50 ms to the first byte, 100 MB/s per connection; 2 workers; load 3-8):
+    # ahead 2 read a cold epoch 1.07-2.0x as fast as ahead 0 or 1; ahead 4 0.87-1.15x ahead 2;
+    # 4 ranges per shard 0.95-1.19x 1 range. So ``ahead=2`` (the default): more costs CPU and
+    # cache room (``cache_minimum`` counts ``ahead`` per rank); the CPU, not the link, bounded.
+    # Beyond that depth a spare download goes on while there is room: NOTE [ Spare room ].
+
+    # NOTE [ Spare room ]
+    # Beyond ``ahead``, one thread at a time goes on down the plan while the cache has room
+    # to spare: room for the shard with ``minimum`` (``cache_minimum``) still free. A spare
+    # download never evicts; with no room the shard is put back until the readers move on
+    # (``reading_at``). Shards fetched ahead and not read yet are evicted last (``_reserve``).
+    # Why: the lanes change windows at about the same positions, so the order asks for up to
+    # lanes x window new shards at once; fetched ``ahead`` at a time, readers waited at every
+    # change while between changes the threads stood idle (20 000 samples in 63 shards of
+    # 4 MB, SeaweedFS on loopback: cold epochs 1.5-2.2 s with spare downloads, 2.9-4.8 s
+    # without, interleaved, load 1.7-2.2).
 
     def plan(self, shards: np.ndarray, ahead: int) -> None:
         """This rank reads ``shards[k]`` at its k-th read: download ahead of it."""
         order, first = _first_uses(shards)
         with self._wake:
             self._plan, self._ahead, self._position, self._next = (order, first), ahead, 0, 0
-            self._stopped = False
+            self._stopped, self._spare = False, None
+            self._plans += 1
             self._threads = [thread for thread in self._threads if thread.is_alive()]
             while len(self._threads) < max(1, ahead):
                 thread = threading.Thread(target=self._ahead_loop, daemon=True, name="shards")
@@ -412,6 +430,8 @@ class ShardCache:
     def reading_at(self, position: int) -> None:
         with self._wake:
             self._position = position
+            if self._spare not in (None, -1, position):
+                self._spare = None  # readers moved on: room may have been freed
             self._wake.notify_all()
 
     def stop(self) -> None:
@@ -419,30 +439,58 @@ class ShardCache:
             self._stopped = True
             self._wake.notify_all()
 
-    def _claim(self) -> int | None:
-        """Holding ``_wake``: the next shard of the plan to fetch, if it is not too far ahead."""
-        if self._plan is None:
+    def _claim(self) -> tuple[int, int, bool] | None:
+        """Holding ``_wake``: the next shard of the plan to fetch (its place in the plan, the
+        plan's number, whether it is a spare download), if it may be fetched now."""
+        if self._plan is None or self._next >= len(self._plan[0]):
             return None
-        order, first = self._plan
-        reading = int(np.searchsorted(first, self._position, side="right"))
-        if self._next >= len(order) or self._next >= reading + self._ahead:
+        reading = int(np.searchsorted(self._plan[1], self._position, side="right"))
+        spare = self._next >= reading + self._ahead
+        if spare and self._spare is not None:  # one at a time; after no room, a move on
             return None
+        if spare:
+            self._spare = -1
         self._next += 1
-        return int(order[self._next - 1])
+        return self._next - 1, self._plans, spare
+
+    def _unread(self) -> set[str]:
+        """Shards this process fetched ahead that its order has not read yet."""
+        with self._wake:
+            if self._plan is None:
+                return set()
+            reading = int(np.searchsorted(self._plan[1], self._position, side="right"))
+            return {self.shards[n].name for n in self._plan[0][reading : self._next]}
 
     def _ahead_loop(self) -> None:
         while True:
             with self._wake:
-                number = None
-                while not self._stopped and (number := self._claim()) is None:
+                claim = None
+                while not self._stopped and (claim := self._claim()) is None:
                     self._wake.wait(0.5)
                 if self._stopped:
                     return
+                at, plans, spare = claim
+                shard = self.shards[int(self._plan[0][at])]  # type: ignore[index]
             try:
-                self.ensure(self.shards[number], reader=False)
+                got = self.ensure(shard, reader=False, spare=spare)
+                if got is None and not self._put_back(at, plans):
+                    self.ensure(shard, reader=False)  # within ``ahead`` by now
             except Exception as error:  # noqa: BLE001 - the reader meets it and raises
                 self.plan_error = error
                 return
+            finally:
+                if spare:
+                    with self._wake:
+                        self._spare = None if self._spare == -1 else self._spare
+
+    def _put_back(self, at: int, plans: int) -> bool:
+        """A spare download found no room: the plan's next again, and no spare download until
+        the readers move on (NOTE [ Spare room ]). False if another thread went past it."""
+        with self._wake:
+            if plans != self._plans or self._next != at + 1:
+                return plans != self._plans  # a new plan: this one is dropped
+            self._next, self._spare = at, self._position
+            return True
 
 
 def _first_uses(shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
