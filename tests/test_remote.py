@@ -113,6 +113,29 @@ def test_spawned_workers_make_their_own_client(url, tmp_path):
     loader.close()
 
 
+_FORK_WHILE_MAKING = """
+import os, sys
+from fastloader.shards import s3
+store = s3.S3Store("s3://bucket/prefix", endpoint_url="http://127.0.0.1:9")
+parents = store._client()
+s3._MAKING.acquire()  # as a thread of the parent making a client when a worker is forked
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if store._client() is not parents else 3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_worker_forked_while_its_parent_makes_a_client_makes_its_own(tmp_path):
+    """NOTE [ One client per process ]: the child keeps the parent's parsed models, never its
+    client, and never waits on a lock a thread of the parent's held at the fork."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FORK_WHILE_MAKING], timeout=60, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+
+
 def test_credentials_never_appear_in_states_pickles_or_errors(url, tmp_path):
     loader = _loaders(url, tmp_path, 1, 10)[0]
     next(iter(loader))
