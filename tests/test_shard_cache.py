@@ -227,6 +227,19 @@ def test_with_room_to_spare_the_plan_is_fetched_beyond_ahead(source, tmp_path):
         cache.stop()
 
 
+def test_ahead_0_downloads_only_the_shards_being_read(source, tmp_path):
+    log = tmp_path / "log"
+    cache, manifest = _cache(source, tmp_path / "c", log=log)
+    cache.plan(np.arange(len(manifest.shards)), ahead=0)
+    cache.reading_at(0)
+    try:
+        assert _wait_for(lambda: len(downloads(log)) >= 1)
+        time.sleep(1.0)  # long enough for a download beyond it to have started
+        assert downloads(log) == [manifest.shards[0].name]
+    finally:
+        cache.stop()
+
+
 def test_downloads_beyond_ahead_never_take_the_orders_room_nor_evict(source, tmp_path):
     """Room for 6 shards, the order needs 4 at once: ahead=1 fetches the shard read and the
     next; a spare one would leave less than 4 free, so none is fetched, nothing evicted."""
