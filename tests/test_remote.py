@@ -221,6 +221,20 @@ def test_bodies_cut_off_mid_shard_are_fetched_again_from_where_they_stopped(url,
     assert ranged  # the rest of each cut body came in another request
 
 
+def test_a_body_cut_and_resumed_is_hashed_as_the_bytes_written(url, proxy, tmp_path):
+    """NOTE [ Hashed on the way ]: the digest the store returns is the file's, cut or not."""
+    from fastloader.shards.manifest import file_checksum
+
+    dataset = _through(proxy, url, tmp_path)
+    shard = dataset.manifest.shards[0]
+    proxy.add("cut", count=2, match=shard.name, argument=3000)
+    digest = dataset.store.download(shard.name, tmp_path / "shard", size=shard.bytes)
+    assert sum(done == "cut" for _, done in proxy.served) == 2
+    assert digest == file_checksum(tmp_path / "shard") == shard.xxh3_64
+    wrong = tmp_path / "wrong"
+    assert dataset.store.download(dataset.manifest.shards[1].name, wrong) != shard.xxh3_64
+
+
 def test_a_large_shard_comes_in_parallel_ranges_and_a_cut_range_resumes(url, proxy, tmp_path):
     # NOTE [ Parallel ranged GETs ]: 4 ranges of a ~48 KB shard (ranges of at least 4 KB here)
     dataset = _through(proxy, url, tmp_path, store_options={"ranges": 4, "range_min": 4096})

@@ -26,10 +26,10 @@ One folder per sharded pack, ``CACHE_DIR/<hash of the URL>/``, marked as ours by
 * It deletes only what it downloaded: shard names from the manifest (plain names, checked)
   and its own partial files, inside the folder it marked.
 * Download ahead: the main process of each rank runs ``ahead`` threads (one at least) that
-  download the shards its order reads next, in the order it reads them, ``ahead`` beyond the
-  shard being read and further while there is room to spare (``plan``, ahead.py: NOTE [ How
-  far ahead ], NOTE [ Spare room ]), a large shard in parallel ranges (NOTE [ Parallel ranged
-  GETs ] in s3.py).
+  download the shards its order reads next, in the order it reads them, at most ``ahead``
+  shards beyond the shard being read (``plan``): ``ahead`` downloads in flight at once, each
+  of a large shard itself in parallel ranges (NOTE [ Parallel ranged GETs ] in s3.py). How
+  deep: NOTE [ How far ahead ].
 * Counters: each process writes its ``CacheStats`` (readers' hits and misses, seconds readers
   waited, downloads, bytes and requests, evictions) to ``.stats/HOST-PID.json``;
   ``process_stats`` reads each process's, ``node_stats`` adds them up (workers included).
@@ -53,9 +53,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from fastloader.formats.metadata import human_size
 from fastloader.formats.records import PackError
-from fastloader.shards.ahead import DownloadAhead
 from fastloader.shards.manifest import Manifest, Shard, file_checksum
 from fastloader.shards.stores import Store, temp_name
 
@@ -92,10 +93,6 @@ os.register_at_fork(
 
 class CacheFullError(OSError):
     """The cache has no room for a shard (its folder, what it holds and the limit named)."""
-
-
-class _NoRoom(Exception):
-    """No room to spare for a spare download (NOTE [ Spare room ] in ahead.py)."""
 
 
 @dataclass
@@ -152,7 +149,7 @@ def _locked(path: Path, flags: int = fcntl.LOCK_EX) -> Iterator[bool]:
             os.close(fd)  # drops the lock
 
 
-class ShardCache(DownloadAhead):
+class ShardCache:
     """A node-local cache of one sharded pack's shards (NOTE [ The shard cache ]).
 
     Picklable: a process that unpickles it has no lock and no thread of its parent's.
@@ -172,7 +169,7 @@ class ShardCache(DownloadAhead):
                 f"node: at least {human_size(minimum)} ({minimum} bytes: lanes x window shards "
                 "plus the shards downloaded ahead); raise cache_limit or lower lanes/window"
             )
-        self.store, self.limit, self.minimum = store, limit, minimum
+        self.store, self.limit = store, limit
         self.shards = list(manifest.shards)
         self.sizes = {shard.name: shard.bytes for shard in self.shards}
         key = hashlib.sha256(store.url.encode()).hexdigest()[:16]
@@ -185,13 +182,19 @@ class ShardCache(DownloadAhead):
     def _local_state(self) -> None:
         self.stats = CacheStats()
         self._touched: dict[str, float] = {}
-        self._ahead_state()
+        self._plan: tuple[np.ndarray, np.ndarray] | None = None
+        self._position = 0
+        self._ahead = self._next = 0  # how far ahead; the next shard of the plan to fetch
+        self._threads: list[threading.Thread] = []
+        self._wake = threading.Condition()  # guards _plan, _position, _ahead, _next
+        self._stopped = False
         self._pid = os.getpid()
+        self.plan_error: BaseException | None = None
         self._published = -2.0
         self._requests_at_start = getattr(self.store, "requests", 0)
 
     def __getstate__(self) -> dict[str, Any]:
-        keep = ("store", "limit", "minimum", "shards", "sizes", "folder")
+        keep = ("store", "limit", "shards", "sizes", "folder")
         return {name: self.__dict__[name] for name in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -219,11 +222,10 @@ class ShardCache(DownloadAhead):
             with contextlib.suppress(FileNotFoundError):  # atime only: NOTE [ The shard cache ]
                 os.utime(path, ns=(time.time_ns(), path.stat().st_mtime_ns))
 
-    def ensure(self, shard: Shard, *, reader: bool = True, spare: bool = False) -> Path | None:
+    def ensure(self, shard: Shard, *, reader: bool = True) -> Path:
         """The local path of ``shard``, downloaded (once per node) if it is not here.
 
         ``reader=False`` (downloads ahead) leaves the readers' hits, misses and waits alone.
-        ``spare=True`` downloads only into room to spare (NOTE [ Spare room ]): None if none.
 
         Raises:
             PackError: naming the shard, when its bytes twice did not match the manifest.
@@ -242,10 +244,8 @@ class ShardCache(DownloadAhead):
         try:
             with _locked(self.folder / ".locks" / f"{shard.name}.lock"):
                 if not self._present(path, shard):
-                    self._download(shard, path, spare)
+                    self._download(shard, path)
                 self.touch(shard)
-        except _NoRoom:
-            return None
         finally:
             self.stats.wait_seconds += (time.perf_counter() - started) * reader
             self._publish(force=True)
@@ -289,13 +289,13 @@ class ShardCache(DownloadAhead):
         except FileNotFoundError:
             return False
 
-    def _download(self, shard: Shard, path: Path, spare: bool = False) -> None:
+    def _download(self, shard: Shard, path: Path) -> None:
         """Holding the shard's lock: fetch, check, rename (fetched once more on a bad check)."""
         where = f"{self.store.url.rstrip('/')}/{shard.name}"
         self._remove_partials(shard.name)
         for _attempt in (1, 2):  # a bad checksum: fetched once more
             temp = self.folder / temp_name(shard.name)
-            self._reserve(shard, temp, spare)
+            self._reserve(shard, temp)
             try:
                 streamed = self.store.download(shard.name, temp, size=shard.bytes)  # or ranges
                 size = temp.stat().st_size  # the digest of one stream: NOTE [ Hashed on the way ]
@@ -327,17 +327,13 @@ class ShardCache(DownloadAhead):
         for stale in self.folder.glob(f".{name}.partial-*"):
             stale.unlink(missing_ok=True)
 
-    def _reserve(self, shard: Shard, temp: Path, spare: bool = False) -> None:
-        """Make room for ``shard`` (evicting least recently read shards, those fetched ahead and
-        not read yet last), held by its partial file ``temp``; ``spare``: NOTE [ Spare room ]."""
+    def _reserve(self, shard: Shard, temp: Path) -> None:
+        """Make room for ``shard`` under the limit, evicting least recently read shards; its
+        partial file ``temp``, made here under the cache's lock, holds the room."""
         deadline = time.monotonic() + _WAIT_FOR_ROOM
         while True:
             with _locked(self.folder / ".cache.lock"):
                 used, present = self._usage(shard.name)
-                if spare and used + shard.bytes + self.minimum > self.limit:
-                    raise _NoRoom  # NOTE [ Spare room ]
-                unread = self._unread()
-                present.sort(key=lambda entry: entry[0] in unread)  # stable: LRU otherwise
                 while used + shard.bytes > self.limit and present:
                     name, size = present.pop(0)
                     if self._evict(name):
@@ -380,3 +376,87 @@ class ShardCache(DownloadAhead):
                 os.remove(self.folder / name)
                 self.stats.evictions += 1
             return True
+
+    # -- download ahead (the main process of each rank) ---------------------------------
+
+    # NOTE [ How far ahead ]
+    # ``ahead`` is both how many shards beyond the ones being read are fetched and how many are
+    # in flight at once. The shards being read are those of the chunk of the order the sampler
+    # hands out (256 positions, shard_order.py), so at the start of an epoch the threads fetch
+    # the first batches' shards, in the order they are read, and the workers (which fetch a
+    # shard themselves only when no one holds its lock) fetch fewer with clients of their own.
+    # Measured (benchmarks/remote.py ``link_rows``: cold epochs of 6 000 samples in 19 shards
+    # of 4 MB through a proxy, in a process of its own, that waits 50 ms to the first byte and
+    # sends 100 MB/s per connection; 2 workers; three runs of 3 rounds on the shared 2-core box
+    # at load 3-8): ahead 2 read a cold epoch 1.07-2.0x as fast as ahead 0 or 1 in every run
+    # and ranges setting; ahead 4 0.87-1.15x as fast as ahead 2; 4 ranges per shard instead
+    # of 1 (at ahead 2) 0.95-1.19x. So ``ahead=2`` (ShardedDataset's default): 4 was not
+    # faster in every run and costs the main process CPU and cache room (``cache_minimum``
+    # counts ``ahead`` shards per rank). The box's CPU, not the link, bounded these epochs.
+    # Later, on the final code: 6 000 samples (load 1.4-2.9) ahead 4 0.94x ahead 2; 20 000
+    # samples in 63 shards (load 1.6-4.6) ahead 4 1.48x (1 range) and 1.20x (4 ranges): a
+    # larger dataset's window changes want more ahead, and ``loader.stats`` advises doubling
+    # ``ahead`` (with the cache it needs) when readers' waits for downloads dominate.
+    # Tried for the cold epoch and not kept (SeaweedFS on loopback, no proxy, 2 workers,
+    # interleaved rounds, medians): 4 or 8 more threads while readers wait for shards not
+    # fetched yet (an epoch's start), 0.94-1.04x the cold-epoch ratio of none (6 000 and 20 000
+    # samples, load 2.3-3.8); spare downloads past ``ahead`` into room the order does not need
+    # (one at a time, never evicting), 20 000 samples: cold epoch 2.37 s against 1.99 s
+    # without, readers' waits 0.54 s against 0.43 s (8 rounds, load 4.8-5.3; two other runs
+    # 2.37 vs 1.96 s, and 4.94 vs 5.10 s through the 50 ms, 100 MB/s proxy). The 2 cores
+    # bound these epochs: more downloads at once take CPU from the readers.
+
+    def plan(self, shards: np.ndarray, ahead: int) -> None:
+        """This rank reads ``shards[k]`` at its k-th read: download ahead of it."""
+        order, first = _first_uses(shards)
+        with self._wake:
+            self._plan, self._ahead, self._position, self._next = (order, first), ahead, 0, 0
+            self._stopped = False
+            self._threads = [thread for thread in self._threads if thread.is_alive()]
+            while len(self._threads) < max(1, ahead):
+                thread = threading.Thread(target=self._ahead_loop, daemon=True, name="shards")
+                thread.start()
+                self._threads.append(thread)
+            self._wake.notify_all()
+
+    def reading_at(self, position: int) -> None:
+        with self._wake:
+            self._position = position
+            self._wake.notify_all()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify_all()
+
+    def _claim(self) -> int | None:
+        """Holding ``_wake``: the next shard of the plan to fetch, if it is not too far ahead."""
+        if self._plan is None:
+            return None
+        order, first = self._plan
+        reading = int(np.searchsorted(first, self._position, side="right"))
+        if self._next >= len(order) or self._next >= reading + self._ahead:
+            return None
+        self._next += 1
+        return int(order[self._next - 1])
+
+    def _ahead_loop(self) -> None:
+        while True:
+            with self._wake:
+                number = None
+                while not self._stopped and (number := self._claim()) is None:
+                    self._wake.wait(0.5)
+                if self._stopped:
+                    return
+            try:
+                self.ensure(self.shards[number], reader=False)
+            except Exception as error:  # noqa: BLE001 - the reader meets it and raises
+                self.plan_error = error
+                return
+
+
+def _first_uses(shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The shards in order of first use, and the read number of each first use."""
+    unique, first = np.unique(np.asarray(shards), return_index=True)
+    by_time = np.argsort(first)
+    return unique[by_time], first[by_time]
