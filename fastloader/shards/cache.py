@@ -403,8 +403,9 @@ class ShardCache:
     # samples, load 2.3-3.8); spare downloads past ``ahead`` into room the order does not need
     # (one at a time, never evicting), 20 000 samples: cold epoch 2.37 s against 1.99 s
     # without, readers' waits 0.54 s against 0.43 s (8 rounds, load 4.8-5.3; two other runs
-    # 2.37 vs 1.96 s, and 4.94 vs 5.10 s through the 50 ms, 100 MB/s proxy). The 2 cores
-    # bound these epochs: more downloads at once take CPU from the readers.
+    # 2.37 vs 1.96 s, 4.94 vs 5.10 s through the 50 ms, 100 MB/s proxy, and at load 2.5-3
+    # 1.86 vs 1.94 s with readers' waits 0.46 vs 0.67 s, the same ratio to the local pack).
+    # The 2 cores bound these epochs: more downloads at once take CPU from the readers.
 
     def plan(self, shards: np.ndarray, ahead: int) -> None:
         """This rank reads ``shards[k]`` at its k-th read: download ahead of it."""
