@@ -29,6 +29,7 @@ sized first). A range cut off or failed is fetched again from where it stopped, 
 up to ``retries`` times, as a whole download is; a range that gives up stops the others and
 its error is raised. The cache then checks the whole file's size and checksum as for one GET
 (NOTE [ The shard cache ]), so a range written wrong is never read.
+
 NOTE [ Hashed on the way ]
 A shard that comes in one stream (one GET, and ranged GETs resuming it from where it was cut,
 each in order) is hashed as its bytes are written: the cache then checks that digest rather
@@ -37,6 +38,7 @@ process's CPU while the readers waited for the first batch). Every byte is writt
 is hashed (``_write_all``: a short ``pwrite`` is finished, never skipped), so the digest is of
 the file's bytes; the cache still checks the file's size. Ranges come out of order: their
 file is read back and hashed whole.
+
 Credentials never appear in a URL, an error or a repr here: errors name the ``s3://`` URL and
 the endpoint only.
 """
