@@ -113,6 +113,29 @@ def test_spawned_workers_make_their_own_client(url, tmp_path):
     loader.close()
 
 
+_FORK_WHILE_MAKING = """
+import os, sys
+from fastloader.shards import s3
+store = s3.S3Store("s3://bucket/prefix", endpoint_url="http://127.0.0.1:9")
+parents = store._client()
+s3._MAKING.acquire()  # as a thread of the parent making a client when a worker is forked
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if store._client() is not parents else 3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_worker_forked_while_its_parent_makes_a_client_makes_its_own(tmp_path):
+    """NOTE [ One client per process ]: the child keeps the parent's parsed models, never its
+    client, and never waits on a lock a thread of the parent's held at the fork."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FORK_WHILE_MAKING], timeout=60, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+
+
 def test_credentials_never_appear_in_states_pickles_or_errors(url, tmp_path):
     loader = _loaders(url, tmp_path, 1, 10)[0]
     next(iter(loader))
@@ -196,6 +219,20 @@ def test_bodies_cut_off_mid_shard_are_fetched_again_from_where_they_stopped(url,
     assert len(cut) == 3
     ranged = [line for line, done in proxy.served if done == "forwarded" and "shard-0000" in line]
     assert ranged  # the rest of each cut body came in another request
+
+
+def test_a_body_cut_and_resumed_is_hashed_as_the_bytes_written(url, proxy, tmp_path):
+    """NOTE [ Hashed on the way ]: the digest the store returns is the file's, cut or not."""
+    from fastloader.shards.manifest import file_checksum
+
+    dataset = _through(proxy, url, tmp_path)
+    shard = dataset.manifest.shards[0]
+    proxy.add("cut", count=2, match=shard.name, argument=3000)
+    digest = dataset.store.download(shard.name, tmp_path / "shard", size=shard.bytes)
+    assert sum(done == "cut" for _, done in proxy.served) == 2
+    assert digest == file_checksum(tmp_path / "shard") == shard.xxh3_64
+    wrong = tmp_path / "wrong"
+    assert dataset.store.download(dataset.manifest.shards[1].name, wrong) != shard.xxh3_64
 
 
 def test_a_large_shard_comes_in_parallel_ranges_and_a_cut_range_resumes(url, proxy, tmp_path):

@@ -13,6 +13,12 @@ responses (MosaicML streaming's cache held one shard's bytes under another's nam
 (``_client``, keyed by pid) and never pickled, and a forked child drops the clients it
 inherited (``os.register_at_fork``) before it could use one. A body cut off mid-download is
 fetched again from where it stopped (a ranged GET), with backoff, up to ``retries`` times.
+What a child keeps is botocore's loader: the parsed JSON of the service models and endpoints,
+read-only data, no socket, no lock. Parsing it is most of a client's making (~140 ms idle,
+~500 ms on the busy 2-core box: a loader worker that downloaded its first shard itself took
+0.5 s for 4 MB, the cold epoch's critical path); with the parent's loader a child's client
+takes ~20 ms. Its credentials, session and pool are still its own. Clients are made under
+``_MAKING`` (botocore sessions are not thread-safe; two threads needing one wait for one).
 
 NOTE [ Parallel ranged GETs ]
 One S3 connection gives ~100 MB/s at best, and each GET waits a first-byte latency (tens of
@@ -23,6 +29,16 @@ sized first). A range cut off or failed is fetched again from where it stopped, 
 up to ``retries`` times, as a whole download is; a range that gives up stops the others and
 its error is raised. The cache then checks the whole file's size and checksum as for one GET
 (NOTE [ The shard cache ]), so a range written wrong is never read.
+
+NOTE [ Hashed on the way ]
+A shard that comes in one stream (one GET, and ranged GETs resuming it from where it was cut,
+each in order) is hashed as its bytes are written: the cache then checks that digest rather
+than reading the file back (a 4 MB shard's read-back and hash took 1-10 ms of the main
+process's CPU while the readers waited for the first batch). Every byte is written before it
+is hashed (``_write_all``: a short ``pwrite`` is finished, never skipped), so the digest is of
+the file's bytes; the cache still checks the file's size. Ranges come out of order: their
+file is read back and hashed whole.
+
 Credentials never appear in a URL, an error or a repr here: errors name the ``s3://`` URL and
 the endpoint only.
 """
@@ -37,17 +53,23 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 __all__ = ["EXTRA", "S3Store"]
 
 EXTRA = "pip install 'fastloader[remote]'"
 _CLIENTS: dict[tuple, Any] = {}  # (pid, endpoint, retries, timeout) -> this process's client
+_LOADER: list[Any] = []  # botocore's parsed models, kept across a fork (NOTE above)
+_MAKING = threading.Lock()  # clients are made one at a time
 _CHUNK = 8 << 20
 _RANGE_MIN = 8 << 20  # bytes of a range at least: NOTE [ Parallel ranged GETs ]
 _COUNTING = threading.Lock()  # S3Store.requests
 
 
 def _forget_clients() -> None:
+    global _MAKING
     _CLIENTS.clear()  # the parent's connections are not ours: NOTE [ One client per process ]
+    _MAKING = threading.Lock()  # a thread of the parent's may have held it at the fork
 
 
 os.register_at_fork(after_in_child=_forget_clients)
@@ -113,27 +135,39 @@ class S3Store:
     def _client(self) -> Any:
         key = (os.getpid(), self.endpoint_url, self.retries, self.timeout)
         client = _CLIENTS.get(key)
-        if client is None:
-            from botocore.config import Config
+        if client is not None:
+            return client
+        with _MAKING:
+            if key not in _CLIENTS:
+                _CLIENTS[key] = self._new_client()
+            return _CLIENTS[key]
 
-            options = dict(
-                retries={"max_attempts": self.retries, "mode": "standard"},
-                connect_timeout=self.timeout,
-                read_timeout=self.timeout,
-                max_pool_connections=max(10, self.ranges),  # a connection per range
-                # the shard's XXH3 is checked whole (NOTE [ The shard cache ]): botocore's own
-                # checksum of every body as well is work done twice
-                response_checksum_validation="when_required",
-            )
-            try:
-                config = Config(**options)
-            except TypeError:  # botocore before 1.36 validates no response checksums
-                del options["response_checksum_validation"]
-                config = Config(**options)
-            session = _boto3().session.Session()
-            client = session.client("s3", endpoint_url=self.endpoint_url, config=config)
-            _CLIENTS[key] = client
-        return client
+    def _new_client(self) -> Any:
+        """A client of this process's own, on botocore's loader if this process (or its
+        parent, before a fork) has one (NOTE [ One client per process ])."""
+        import botocore.session
+        from botocore.config import Config
+
+        options = dict(
+            retries={"max_attempts": self.retries, "mode": "standard"},
+            connect_timeout=self.timeout,
+            read_timeout=self.timeout,
+            max_pool_connections=max(10, self.ranges),  # a connection per range
+            # the shard's XXH3 is checked whole (NOTE [ The shard cache ]): botocore's own
+            # checksum of every body as well is work done twice
+            response_checksum_validation="when_required",
+        )
+        try:
+            config = Config(**options)
+        except TypeError:  # botocore before 1.36 validates no response checksums
+            del options["response_checksum_validation"]
+            config = Config(**options)
+        session = botocore.session.get_session()
+        if _LOADER:
+            session.register_component("data_loader", _LOADER[0])
+        else:
+            _LOADER.append(session.get_component("data_loader"))
+        return session.create_client("s3", endpoint_url=self.endpoint_url, config=config)
 
     def _call(self, name: str, method: str, **kwargs: Any) -> Any:
         """``client.method(**kwargs)`` with errors that name the object, never credentials."""
@@ -172,16 +206,18 @@ class S3Store:
             raise ValueError(f"{self._where(name)}: larger than {limit} bytes")
         return response["Body"].read()
 
-    def download(self, name: str, dest: Path, size: int | None = None) -> None:
+    def download(self, name: str, dest: Path, size: int | None = None) -> str | None:
         """Fetch ``name`` into ``dest``; a body cut off resumes where it stopped. With its
         ``size`` known, a large object comes as parallel ranges (NOTE [ Parallel ranged
-        GETs ])."""
+        GETs ]). Returns the XXH3-64 of the bytes written when they came in one stream, in
+        order (hashed as they arrive: NOTE [ Hashed on the way ]), else None."""
         parts = 1 if size is None else min(self.ranges, size // self.range_min)
         failed = threading.Event()
         with open(dest, "wb") as handle:
             if parts < 2:
-                self._fetch_range(name, handle.fileno(), 0, None, failed)
-                return
+                digest = xxhash.xxh3_64()
+                self._fetch_range(name, handle.fileno(), 0, None, failed, digest)
+                return digest.hexdigest()
             handle.truncate(size)
             bounds = [size * k // parts for k in range(parts + 1)]
             with ThreadPoolExecutor(parts, thread_name_prefix="shard-range") as pool:
@@ -191,12 +227,20 @@ class S3Store:
                 ]
                 for future in futures:
                     future.result()  # a range's error, raised here
+        return None
 
     def _fetch_range(
-        self, name: str, fd: int, start: int, end: int | None, failed: threading.Event
+        self,
+        name: str,
+        fd: int,
+        start: int,
+        end: int | None,
+        failed: threading.Event,
+        digest: Any = None,
     ) -> None:
         """Bytes ``[start, end)`` of ``name`` (to its end if None) written at their offset in
-        ``fd``; resumed from where a cut-off body stopped, with backoff."""
+        ``fd`` (and added to ``digest``, in order); resumed from where a cut-off body stopped,
+        with backoff."""
         from botocore import exceptions
 
         at = start
@@ -209,7 +253,9 @@ class S3Store:
                 expected = at + response["ContentLength"]
                 body = response["Body"]
                 while chunk := body.read(_CHUNK):
-                    at += os.pwrite(fd, chunk, at)
+                    at = _write_all(fd, chunk, at)
+                    if digest is not None:
+                        digest.update(chunk)
                 if at >= expected:
                     return
             except (ConnectionError, exceptions.BotoCoreError, OSError) as error:
@@ -235,6 +281,15 @@ class S3Store:
 
     def delete(self, name: str) -> None:
         self._call(name, "delete_object", Key=self._key(name))
+
+
+def _write_all(fd: int, data: bytes, at: int) -> int:
+    """``data`` written at offset ``at`` of ``fd``, all of it; the offset after it."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, at)
+        at, view = at + written, view[written:]
+    return at
 
 
 def _last(end: int | None) -> str:

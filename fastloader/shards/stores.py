@@ -30,7 +30,7 @@ class Store(Protocol):
     url: str
 
     def read_bytes(self, name: str, limit: int) -> bytes: ...
-    def download(self, name: str, dest: Path, size: int | None = None) -> None: ...
+    def download(self, name: str, dest: Path, size: int | None = None) -> str | None: ...
     def upload(self, source: Path, name: str) -> None: ...
     def put_bytes(self, name: str, data: bytes) -> None: ...
     def delete(self, name: str) -> None: ...
@@ -66,8 +66,9 @@ class LocalStore:
             raise ValueError(f"{self.path(name)}: larger than {limit} bytes")
         return data
 
-    def download(self, name: str, dest: Path, size: int | None = None) -> None:
+    def download(self, name: str, dest: Path, size: int | None = None) -> str | None:
         shutil.copyfile(self.path(name), dest)
+        return None  # not hashed on the way: the cache reads it back
 
     def upload(self, source: Path, name: str) -> None:
         if Path(source).resolve() == self.path(name).resolve():
