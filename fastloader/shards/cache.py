@@ -411,8 +411,12 @@ class ShardCache:
     # The 2 cores bound these epochs: more downloads at once take CPU from the readers.
 
     def plan(self, shards: np.ndarray, ahead: int) -> None:
-        """This rank reads ``shards[k]`` at its k-th read: download ahead of it."""
+        """This rank reads ``shards[k]`` at its k-th read: download ahead of it (the shards
+        not here now: a warm epoch wakes no thread)."""
         order, first = _first_uses(shards)
+        here = [self._present(self.path(self.shards[n]), self.shards[n]) for n in order.tolist()]
+        missing = ~np.array(here, dtype=bool)
+        order, first = order[missing], first[missing]
         with self._wake:
             self._plan, self._ahead, self._position, self._next = (order, first), ahead, 0, 0
             self._stopped = False
@@ -426,23 +430,29 @@ class ShardCache:
     def reading_at(self, position: int) -> None:
         with self._wake:
             self._position = position
-            self._wake.notify_all()
+            if self._claimable():  # else waking the threads only costs the reader the GIL
+                self._wake.notify_all()
 
     def stop(self) -> None:
         with self._wake:
             self._stopped = True
             self._wake.notify_all()
 
-    def _claim(self) -> int | None:
-        """Holding ``_wake``: the next shard of the plan to fetch, if it is not too far ahead."""
+    def _claimable(self) -> bool:
+        """Holding ``_wake``: whether the plan's next shard is within ``ahead`` of the
+        reading."""
         if self._plan is None:
-            return None
+            return False
         order, first = self._plan
         reading = int(np.searchsorted(first, self._position, side="right"))
-        if self._next >= len(order) or self._next >= reading + self._ahead:
+        return self._next < len(order) and self._next < reading + self._ahead
+
+    def _claim(self) -> int | None:
+        """Holding ``_wake``: the next shard of the plan to fetch, if it is not too far ahead."""
+        if not self._claimable():
             return None
         self._next += 1
-        return int(order[self._next - 1])
+        return int(self._plan[0][self._next - 1])
 
     def _ahead_loop(self) -> None:
         while True:
