@@ -87,10 +87,18 @@ def shard_epoch_order(
     piece = np.cumsum(new_piece) - 1
     lane_first_piece = piece[np.minimum(bounds[:-1], total - 1)]
     group = (piece - lane_first_piece[lane_of]) // window  # step 3
-    # sorted by lane, then group, then a random key: np.lexsort's order, in two stable sorts
-    # of one key each (half the time)
-    by_key = np.argsort(rng.random(total), kind="stable")
+    # sorted by lane, then group, then a random key: np.lexsort's order (a stable sort of each
+    # key) in a quarter of its time. The random keys sorted by NumPy's fastest sort, which
+    # gives a stable sort's order where no two keys are equal (else sorted stably); then the
+    # (lane, group) pairs, as one small int when they fit 16 bits (a radix sort), stably.
+    keys = rng.random(total)
+    by_key = np.argsort(keys)
+    ordered = keys[by_key]
+    if (ordered[1:] == ordered[:-1]).any():
+        by_key = np.argsort(keys, kind="stable")
     lane_group = lane_of * (int(group.max()) + 1) + group
+    if int(lane_group[-1]) < 1 << 16:  # the largest: lanes and groups both ascend
+        lane_group = lane_group.astype(np.uint16)
     shuffled = sequence[by_key[np.argsort(lane_group[by_key], kind="stable")]]
     position = np.arange(total)  # step 4
     return shuffled[bounds[position % lanes] + position // lanes]
