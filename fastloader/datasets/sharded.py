@@ -28,6 +28,7 @@ from torch.utils.data import Dataset
 
 from fastloader.datasets.columns import ColumnBatch
 from fastloader.datasets.packs import open_pack
+from fastloader.datasets.shard_checks import check_agrees
 from fastloader.datasets.shard_gather import ShardMaps
 from fastloader.datasets.sharded_columns import (
     column_plan,
@@ -144,6 +145,7 @@ class ShardedDataset(Dataset):
         self._last_read = np.zeros(shards, dtype=np.int64)  # per shard: _reads at its last read
         self._touched = np.full(shards, -np.inf)  # per shard: when it was last marked used
         self._checked = np.full(shards, -np.inf)  # per shard: when its identity was last checked
+        self._cache_changed: int | None = None  # the cache folder's mtime at the last look
         self._maps: ShardMaps | None = None  # NOTE [ One gather across shards ]
 
     def __getstate__(self) -> dict[str, Any]:
@@ -174,7 +176,7 @@ class ShardedDataset(Dataset):
             path = self._path(number)
             try:
                 pack = open_pack(path, **self.pack_options)
-                _check_agrees(pack, self.manifest, number, path)
+                check_agrees(pack, self.manifest, number, path)
                 pack.shard_identity = file_identity(path)  # NOTE [ A shard changed on disk ]
                 pack.shard_inode = pack.shard_identity[1]  # see _forget_evicted
                 pack.shard_columns = column_plan(pack)  # (plan, table): read_batch_columns
@@ -240,10 +242,19 @@ class ShardedDataset(Dataset):
         return pack
 
     def _forget_evicted(self) -> None:
-        """Close shards the cache evicted (their bytes are freed once no one has them open)."""
+        """Close shards the cache evicted (their bytes are freed once no one has them open):
+        looked for when the cache folder changed (a shard evicted or replaced changes its
+        mtime), and every 256th batch whatever it says (an mtime's granularity)."""
         if self.cache is None:
             return
         cache = self.cache
+        try:
+            changed = os.stat(cache.folder).st_mtime_ns
+        except OSError:
+            changed = None
+        if changed == self._cache_changed and changed is not None and self._reads % 256:
+            return
+        self._cache_changed = changed
         gone = [n for n, p in self._open.items() if not cache.holds(p.path, p.shard_inode)]
         for number in gone:
             self._close_shard(number)
@@ -456,47 +467,3 @@ def _groups(numbers: list[int], rows: list[int]) -> list[tuple[int, list[int], l
 # is opened, by another pack's shard of the same size and schema is refused when it is opened,
 # by the manifest's fingerprint of its metadata (NOTE [ Shard fingerprints ] in
 # shards/manifest.py; a manifest of the previous release has none: run ``--verify`` then).
-
-# NOTE [ Shards that disagree with their manifest ]
-# Every shard is read as the manifest describes the pack: as many samples as its entry says,
-# the same classes and the same schema (the packer gives shard 0's to every later shard: NOTE
-# [ Packing shards ]). More samples in the manifest than in the shard read rows past the
-# shard's end (an IndexError or ValueError naming nothing); fewer left samples out, silently.
-# A shard that disagrees (a crafted or mixed-up manifest, a shard copied in from another
-# pack) is refused when it is opened, naming it and the field: read anyway, a batch read by
-# columns takes each column by its position in the plan, so fields in another order or an
-# extra field would put one field's values under another's name, or drop a field, silently.
-
-
-def _check_agrees(pack: Any, manifest: Manifest, number: int, path: Path) -> None:
-    """Raise ``PackError`` naming ``path`` (shard ``number``) and the field where the shard is
-    not as ``manifest`` describes it (NOTE [ Shards that disagree with their manifest ])."""
-    problem = None
-    if len(pack) != manifest.shards[number].count:
-        problem = f"{len(pack)} samples, the manifest says {manifest.shards[number].count}"
-    problem = problem or _schema_difference(getattr(pack, "schema", None), manifest.schema)
-    if problem is None and list(pack.classes) != list(manifest.classes):
-        problem = f"classes {list(pack.classes)[:5]}..., the manifest's {manifest.classes[:5]}..."
-    problem = problem or manifest.shards[number].fingerprint_problem(pack.metadata)
-    if problem is not None:
-        pack.close()
-        raise PackError(f"{path}: this shard does not match the sharded pack's manifest: {problem}")
-
-
-def _schema_difference(schema: dict | None, expected: dict | None) -> str | None:
-    """What differs between a shard's schema and the manifest's (the first field), or None."""
-    if schema == expected:
-        return None
-    if schema is None or expected is None:
-        return f"schema {schema!r}, the manifest's {expected!r}"
-    fields = [field.get("name") for field in schema.get("fields", [])]
-    wanted = [field.get("name") for field in expected.get("fields", [])]
-    if fields != wanted:
-        extra, missing = sorted(set(fields) - set(wanted)), sorted(set(wanted) - set(fields))
-        if extra or missing:
-            return f"fields {extra} not in the manifest, {missing} missing"
-        return f"fields in the order {fields}, the manifest's {wanted}"
-    for field, want in zip(schema["fields"], expected["fields"], strict=True):
-        if field != want:
-            return f"field {field.get('name')!r} is {field}, the manifest's {want}"
-    return f"schema {schema}, the manifest's {expected}"
