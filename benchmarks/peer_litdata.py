@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from benchmarks.peer_samples import epoch_digest, read_rows, timed_epoch
+from benchmarks.peer_samples import LoaderPeer, read_rows
 
 INSTALL = (
     "not installed: pip install --no-deps litdata==0.2.76 obstore==0.12.1 (never a plain "
@@ -81,7 +81,7 @@ def _allow_http(endpoint: str) -> None:
         options["allow_http"] = "true"
 
 
-class LitdataPeer:
+class LitdataPeer(LoaderPeer):
     """One litdata loader; ``epoch()`` and ``digest()`` as MDSPeer's."""
 
     def __init__(self, config: dict) -> None:
@@ -107,17 +107,3 @@ class LitdataPeer:
             num_workers=workers,
             persistent_workers=workers > 0,
         )
-
-    def epoch(self) -> tuple[int, float]:
-        """(samples, seconds) of one epoch."""
-        return timed_epoch(self.loader, self.fields[0])
-
-    def digest(self) -> tuple[int, str]:
-        """(samples, checksum) of one epoch."""
-        return epoch_digest(self.loader, self.fields)
-
-    def close(self) -> None:
-        """Ends the loader's workers."""
-        from benchmarks.formats import close_loader
-
-        close_loader(self.loader)

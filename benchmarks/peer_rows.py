@@ -29,7 +29,7 @@ from typing import Any
 
 from benchmarks import column_packs, peer_litdata, peer_mds
 from benchmarks._stats import paired_ratio
-from benchmarks.peer_samples import epoch_digest, file_digest, timed_epoch
+from benchmarks.peer_samples import LoaderPeer, file_digest
 
 PEERS: dict[str, tuple[str, Callable[[dict], Any], str]] = {  # key: (row name, class, install)
     "litdata": (peer_litdata.NAME, peer_litdata.LitdataPeer, peer_litdata.INSTALL),
@@ -37,7 +37,7 @@ PEERS: dict[str, tuple[str, Callable[[dict], Any], str]] = {  # key: (row name, 
 }
 
 
-class OurLoader:
+class OurLoader(LoaderPeer):
     """fastloader's loader with the peers' ``epoch()``/``digest()``/``close()``."""
 
     def __init__(self, dataset: Any, batch: int, workers: int, fields: tuple[str, ...]) -> None:
@@ -47,17 +47,6 @@ class OurLoader:
         self.loader = fastloader.DataLoader(
             dataset, batch_size=batch, num_workers=workers, shuffle=True
         )
-
-    def epoch(self) -> tuple[int, float]:
-        return timed_epoch(self.loader, self.fields[0])
-
-    def digest(self) -> tuple[int, str]:
-        return epoch_digest(self.loader, self.fields)
-
-    def close(self) -> None:
-        from benchmarks.formats import close_loader
-
-        close_loader(self.loader)
 
 
 class Unavailable(Exception):

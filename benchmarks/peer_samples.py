@@ -102,3 +102,25 @@ def timed_epoch(loader: Any, key: str) -> tuple[int, float]:
     for batch in loader:
         samples += len(batch[key])
     return samples, time.perf_counter() - started
+
+
+class LoaderPeer:
+    """A peer read through a DataLoader-like ``self.loader`` of batches keyed by
+    ``self.fields``: ``epoch()``, ``digest()`` and ``close()``, as the peers' rows ask."""
+
+    loader: Any
+    fields: tuple[str, ...]
+
+    def epoch(self) -> tuple[int, float]:
+        """(samples, seconds) of one epoch."""
+        return timed_epoch(self.loader, self.fields[0])
+
+    def digest(self) -> tuple[int, str]:
+        """(samples, checksum) of one epoch."""
+        return epoch_digest(self.loader, self.fields)
+
+    def close(self) -> None:
+        """Ends the loader's workers."""
+        from benchmarks.formats import close_loader
+
+        close_loader(self.loader)
