@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-from fastloader.sampling.samplers import epoch_permutation
+from fastloader.sampling.samplers import epoch_permutation, ints_of
 
 __all__ = ["ElasticDistributedSampler", "gather_in_order"]
 
@@ -131,8 +131,7 @@ class ElasticDistributedSampler(DistributedSampler):
 
     def iter_from(self, start: int) -> Iterator[int]:
         """This rank's indices of the current epoch from global position ``start`` on."""
-        for chunk in self.rank_indices(start).split(1 << 16):
-            yield from chunk.tolist()
+        return ints_of(self.rank_indices(start).numpy())
 
     def __iter__(self) -> Iterator[int]:
         return self.iter_from(0)

@@ -25,7 +25,7 @@ from fastloader.sampling.seeds import epoch_seed
 _CHUNK = 1 << 16  # indices turned into Python ints at a time
 
 
-def _yield_from(order: np.ndarray, start: int = 0) -> Iterator[int]:
+def ints_of(order: np.ndarray, start: int = 0) -> Iterator[int]:
     """The ints of ``order[start:]``, converted a chunk at a time (NOTE [ Compact epoch order ]).
     Chained in C: no generator frame per index."""
     return itertools.chain.from_iterable(_chunks(order, start))
@@ -127,7 +127,7 @@ class EpochShuffleSampler(RandomSampler):
             order = compact_permutation(n, generator)
             take = min(n, total - drawn)
             if start < drawn + take:
-                yield _yield_from(order[:take], max(0, start - drawn))
+                yield ints_of(order[:take], max(0, start - drawn))
             drawn += take
             del order  # one alive at a time
 
@@ -198,7 +198,7 @@ class BlockShuffleSampler(Sampler[int]):
 
     def iter_from(self, start: int) -> Iterator[int]:
         """This epoch's order from position ``start`` on (exact resume)."""
-        return _yield_from(self.epoch_order(), start)
+        return ints_of(self.epoch_order(), start)
 
     def __iter__(self) -> Iterator[int]:
         return self.iter_from(0)

@@ -31,6 +31,7 @@ one.
 
 from __future__ import annotations
 
+import itertools
 import os
 import warnings
 from collections.abc import Iterator, Sequence, Sized
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 
 from fastloader.sampling.distributed import ElasticDistributedSampler
+from fastloader.sampling.samplers import ints_of
 from fastloader.sampling.seeds import epoch_seed
 
 __all__ = ["DEFAULT_LANES", "DEFAULT_WINDOW", "ShardOrderSampler", "shard_epoch_order"]
@@ -47,6 +49,7 @@ __all__ = ["DEFAULT_LANES", "DEFAULT_WINDOW", "ShardOrderSampler", "shard_epoch_
 DEFAULT_LANES = 8
 DEFAULT_WINDOW = 4
 _STREAM = 0x5AD0_0DE5  # this order's own stream of the epoch's seed
+_CHUNK = 256  # positions handed out between two reports to the download-ahead
 
 
 def _check_shape(lanes: Any, window: Any) -> tuple[int, int]:
@@ -174,6 +177,25 @@ class ShardOrderSampler(ElasticDistributedSampler):
         by_lane = torch.argsort(positions % self.lanes, dim=1, stable=True)
         return torch.gather(values, 1, by_lane)
 
+    def _steps_dealt(self, steps: torch.Tensor, first: int) -> torch.Tensor:
+        """``_dealt`` for whole steps from global position ``first`` on: a row's order by lane
+        depends only on where its first position falls among the lanes, so it is computed
+        once for each such place, not sorted row by row."""
+        width = steps.shape[1]
+        if width % self.lanes == 0 or len(steps) == 1:  # every row alike
+            return steps[:, self._by_lane(first % self.lanes, width)]
+        places = (first + torch.arange(len(steps)) * width) % self.lanes
+        unique = places.unique().tolist()
+        dealt = torch.empty_like(steps)
+        for place in unique:
+            rows = places == place
+            dealt[rows] = steps[rows][:, self._by_lane(place, width)]
+        return dealt
+
+    def _by_lane(self, place: int, width: int) -> torch.Tensor:
+        """The stable order by lane of ``width`` positions from one at lane ``place``."""
+        return torch.argsort((place + torch.arange(width)) % self.lanes, stable=True)
+
     def rank_indices(self, start: int = 0) -> torch.Tensor:
         """This rank's indices from global position ``start`` on: each step dealt by lane."""
         order = self.global_order()
@@ -183,7 +205,7 @@ class ShardOrderSampler(ElasticDistributedSampler):
         cut = full * self.global_batch
         mine = []
         if full:
-            steps = self._dealt(rest[:cut].view(full, -1), positions[:cut].view(full, -1))
+            steps = self._steps_dealt(rest[:cut].view(full, -1), start)
             mine.append(steps.view(full, self.num_replicas, self.batch_size)[:, self.rank, :])
         if short:
             last, where = rest[cut:], positions[cut:]
@@ -196,12 +218,21 @@ class ShardOrderSampler(ElasticDistributedSampler):
         return torch.cat([m.reshape(-1) for m in mine]) if mine else order[:0]
 
     def iter_from(self, start: int) -> Iterator[int]:
-        indices = self.rank_indices(start)
+        indices = self.rank_indices(start).numpy()
         plan = getattr(self.dataset, "plan_reads", None)
         if callable(plan):  # the shards this rank reads next, in order (download ahead)
-            plan(indices.numpy())
+            plan(indices)
         reading = getattr(self.dataset, "reading_at", None)
-        for number, chunk in enumerate(indices.split(256)):
-            if callable(reading):  # the chunk about to be handed out: its shards are read now
-                reading(number * 256 + len(chunk) - 1)
-            yield from chunk.tolist()
+        if not callable(reading):
+            return ints_of(indices)
+        return itertools.chain.from_iterable(_chunks_told(indices, reading))
+
+
+def _chunks_told(indices: np.ndarray, reading: Any) -> Iterator[list[int]]:
+    """``indices`` as lists of ``_CHUNK`` ints (chained in C by the caller: no generator frame
+    per index), telling ``reading`` the last position of each chunk as it is handed out: its
+    shards are read now."""
+    for at in range(0, len(indices), _CHUNK):
+        chunk = indices[at : at + _CHUNK]
+        reading(at + len(chunk) - 1)
+        yield chunk.tolist()

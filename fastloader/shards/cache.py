@@ -413,13 +413,16 @@ class ShardCache:
     def plan(self, shards: np.ndarray, ahead: int) -> None:
         """This rank reads ``shards[k]`` at its k-th read: download ahead of it (the shards
         not here now: a warm epoch wakes no thread)."""
-        order, first = _first_uses(shards)
-        here = [self._present(self.path(self.shards[n]), self.shards[n]) for n in order.tolist()]
-        missing = ~np.array(here, dtype=bool)
-        order, first = order[missing], first[missing]
+        used = np.flatnonzero(np.bincount(shards, minlength=len(self.shards)))
+        missing = [
+            n for n in used.tolist() if not self._present(self.path(self.shards[n]), self.shards[n])
+        ]
+        order, first = _first_uses(shards, missing)
         with self._wake:
             self._plan, self._ahead, self._position, self._next = (order, first), ahead, 0, 0
             self._stopped = False
+            if not len(order):  # all here (a warm epoch): no thread to start or wake
+                return
             self._threads = [thread for thread in self._threads if thread.is_alive()]
             while len(self._threads) < max(1, ahead):
                 thread = threading.Thread(target=self._ahead_loop, daemon=True, name="shards")
@@ -469,8 +472,12 @@ class ShardCache:
                 return
 
 
-def _first_uses(shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The shards in order of first use, and the read number of each first use."""
+def _first_uses(shards: np.ndarray, wanted: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The ``wanted`` shards in order of first use, and the read number of each first use."""
+    if not wanted:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     unique, first = np.unique(np.asarray(shards), return_index=True)
+    keep = np.isin(unique, wanted)
+    unique, first = unique[keep], first[keep]
     by_time = np.argsort(first)
     return unique[by_time], first[by_time]
