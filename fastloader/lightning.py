@@ -144,8 +144,8 @@ class LoaderStatsMonitor(pl.Callback):
     ``DownloadStats``, NOTE [ Download stats ] in stats/downloads.py) under
     ``{prefix}downloads/``: ``wait_share`` (0-1: the share of the loading processes' time spent
     waiting for downloads), ``wait_s``, ``hit_rate`` (0-1), ``shards``, ``bytes``, ``requests``,
-    ``evictions``, ``bytes_per_s`` and ``requests_per_s`` (counted when the epoch ends: not
-    for an epoch cut short by ``limit_train_batches``); other datasets log none of them.
+    ``evictions``, ``bytes_per_s`` and ``requests_per_s`` (for an epoch cut short by
+    ``limit_train_batches``, until the monitor logs them); other datasets log none of them.
     With several training loaders the name of each (its key or position) follows the prefix.
     Other loaders are skipped. See docs/diagnosis.md.
 
@@ -225,9 +225,9 @@ def _download_figures(downloads: DownloadStats) -> dict[str, float]:
 
 
 def _epoch_of(loader: DataLoader) -> EpochStats | None:
-    """The epoch Lightning just trained on: the running one (an epoch cut short by
+    """The epoch Lightning just trained on: the running one until now (an epoch cut short by
     ``limit_train_batches`` is not closed yet), else the last one ended."""
     current = loader.stats.current
     if current is not None and current.batches:
-        return current
+        return loader.stats.so_far()
     return loader.stats.last

@@ -36,7 +36,7 @@ class _Module(LinearModule):
         return DataLoader(self.dataset, batch_size=BATCH, sampler=sampler, num_workers=0)
 
 
-def _fit(dataset, tmp_path, verbose=False) -> list[dict[str, float]]:
+def _fit(dataset, tmp_path, verbose=False, **trainer) -> list[dict[str, float]]:
     """Two epochs with the monitor; the figures it logged each epoch (``data/`` only)."""
     from lightning.pytorch.loggers import CSVLogger
 
@@ -47,6 +47,7 @@ def _fit(dataset, tmp_path, verbose=False) -> list[dict[str, float]]:
         logger=CSVLogger(tmp_path, name="run"),
         callbacks=[LoaderStatsMonitor(verbose=verbose)],
         log_every_n_steps=1,
+        **trainer,
     )
     trainer.fit(_Module(dataset))
     with open(tmp_path / "run" / "version_0" / "metrics.csv") as file:
@@ -90,6 +91,29 @@ def test_the_monitor_logs_each_epochs_downloads_and_the_advice(s3, tmp_path, cap
     assert len(lines) == 2 and all("downloads" in line for line in lines)
     assert f"downloads {shards} shards" in lines[0] and "--shard-size" in lines[0]
     assert "downloads 0 shards" in lines[1] and "--shard-size" not in lines[1]
+
+
+@pytest.mark.slow
+def test_epochs_cut_short_by_limit_train_batches_log_their_downloads(s3, tmp_path, caplog):
+    # Lightning leaves such an epoch running (it never asks the loader for the next batch),
+    # so its downloads are counted until the moment the monitor logs them
+    url = f"s3://{S3_BUCKET}/lightning-limited"
+    pack(Indexed(2_000, side=SIDE), url, shard_size="32KB", workers=0)
+    dataset = ShardedDataset(url, cache_dir=tmp_path / "cache", ahead=0)
+    with caplog.at_level(logging.INFO):
+        first, second = _fit(dataset, tmp_path, verbose=True, limit_train_batches=2)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fastloader")]
+    names = {shard.name for shard in dataset.manifest.shards}
+    cached = [path for path in (tmp_path / "cache").rglob("*") if path.name in names]
+    downloaded = {"shards", "bytes", "requests", "wait_s", "wait_share", "hit_rate"}
+    for epoch in (first, second):  # before: no downloads/ figures at all
+        assert {f"data/downloads/{name}" for name in downloaded} <= set(epoch)
+    # the first epoch's two batches needed shards that were not there: fetched, in few GETs
+    assert 0 < first["data/downloads/shards"] <= first["data/downloads/requests"]
+    assert first["data/downloads/bytes"] > 0 and first["data/downloads/hit_rate"] < 1
+    assert first["data/downloads/shards"] + second["data/downloads/shards"] <= len(cached)
+    assert len(cached) < len(names)  # two batches an epoch: not the whole pack
+    assert len(lines) == 2 and all("downloads" in line for line in lines)
 
 
 def test_a_folder_of_shards_logs_no_download_figures(tmp_path):

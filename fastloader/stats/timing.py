@@ -18,6 +18,7 @@ Vocabulary:
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -55,6 +56,19 @@ class LoaderStats:
     def current(self) -> EpochStats | None:
         """The epoch being recorded, or None between epochs."""
         return self._current
+
+    def so_far(self) -> EpochStats | None:
+        """A copy of the running epoch with its downloads until now (``downloads`` is
+        otherwise filled when an epoch ends, and an epoch cut short, as Lightning's
+        ``limit_train_batches`` does, ends only when the next one starts), or None between
+        epochs. Hits and waits of other processes count as they last published them (at most
+        a second old: NOTE [ Download stats ] in stats/downloads.py)."""
+        stats = self._current
+        if stats is None:
+            return None
+        running = copy.copy(stats)
+        running.downloads = self._downloads(stats, time.perf_counter())
+        return running
 
     @property
     def last(self) -> EpochStats | None:
@@ -235,13 +249,7 @@ class LoaderStats:
             delta = sum_counters(stats._pids) - stats._io_before
             wall = end - stats._started_at
             stats.io_note = io_verdict(delta, stats.samples, wall, len(stats._pids))
-        if stats._caches_before:  # NOTE [ Download stats ] in stats/downloads.py
-            after = snapshot(stats._caches)
-            wall = end - stats._started_at
-            loaders = stats.workers or 1
-            stats.downloads = epoch_downloads(
-                stats._caches_before, after, stats._pids, wall, loaders
-            )
+        stats.downloads = self._downloads(stats, end)
         stats.worker_busy_s = stats._busy_s()
         stats._busy = None
         stats._ended_at = end
@@ -249,6 +257,16 @@ class LoaderStats:
         self._current = None
         self._last_handout = None
         self._expected = None
+
+    @staticmethod
+    def _downloads(stats: EpochStats, end: float) -> Any:
+        """The downloads of epoch ``stats`` from its start to ``end``, or None without a
+        cache (NOTE [ Download stats ] in stats/downloads.py)."""
+        if not stats._caches_before:
+            return None
+        after = snapshot(stats._caches)
+        wall = end - stats._started_at
+        return epoch_downloads(stats._caches_before, after, stats._pids, wall, stats.workers or 1)
 
 
 def timed_iter(
