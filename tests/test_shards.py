@@ -12,7 +12,7 @@ from fastloader import cli, pack
 from fastloader.datasets.packs import open_pack
 from fastloader.shards.manifest import MANIFEST_NAME, ManifestError, parse_manifest
 from fastloader.shards.sizes import parse_size
-from fastloader.shards.stores import LocalStore, read_manifest
+from fastloader.shards.stores import LocalStore, open_store, read_manifest
 from tests._fields import Indexed
 
 
@@ -223,3 +223,26 @@ def test_a_target_a_few_times_a_packs_fixed_bytes_still_fills_its_shards(tmp_pat
     shards = read_manifest(LocalStore(tmp_path / "out")).shards
     assert 4 <= len(shards) <= 12 and all(s.count >= 20 for s in shards[:-1])
     assert all(0.7 * 40_000 <= s.bytes <= 1.25 * 40_000 for s in shards[:-1])
+
+
+def test_gs_urls_go_to_cloud_storages_s3_api_with_checksums_only_where_required(monkeypatch):
+    # NOTE [ Cloud Storage through its S3 API ]: its endpoint, whatever AWS_ENDPOINT_URL says
+    # for S3, and no CRC32 trailer on every upload; an s3:// store keeps botocore's defaults
+    pytest.importorskip("boto3")
+    from fastloader.shards.s3 import GCS_ENDPOINT
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    gs, s3 = open_store("gs://bucket/train/"), open_store("s3://bucket/train")
+    assert (gs.url, gs.endpoint_url) == ("gs://bucket/train", GCS_ENDPOINT)
+    assert (s3.url, s3.endpoint_url) == ("s3://bucket/train", "http://127.0.0.1:9")
+    assert open_store("gs://b/p", endpoint_url="http://x:1").endpoint_url == "http://x:1"
+    assert gs._client().meta.config.request_checksum_calculation == "when_required"
+    assert s3._client().meta.config.request_checksum_calculation == "when_supported"
+    with pytest.raises(ValueError, match="gs://bucket/prefix"):
+        open_store("gs://")
+
+
+@pytest.mark.parametrize("scheme", ["az", "abfss", "wasbs"])
+def test_azure_urls_are_refused_naming_a_way_that_works(scheme):
+    with pytest.raises(ValueError, match=f"{scheme}://.*no S3 API.*blobfuse2"):
+        open_store(f"{scheme}://container/train")

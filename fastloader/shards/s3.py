@@ -39,7 +39,20 @@ is hashed (``_write_all``: a short ``pwrite`` is finished, never skipped), so th
 the file's bytes; the cache still checks the file's size. Ranges come out of order: their
 file is read back and hashed whole.
 
-Credentials never appear in a URL, an error or a repr here: errors name the ``s3://`` URL and
+NOTE [ Cloud Storage through its S3 API ]
+``gs://bucket/prefix`` is the same store over Google Cloud Storage's XML API, which serves the
+S3 API to S3 clients (Google's "simple migration": its endpoint and an HMAC key in place of
+AWS's keys). So a ``gs://`` store is an ``S3Store`` whose endpoint defaults to
+``GCS_ENDPOINT`` (``endpoint_url=`` overrides it; ``AWS_ENDPOINT_URL``, set for S3, does not),
+whose errors name the ``gs://`` URL and say to set an HMAC key, and whose client sends
+botocore's own checksums only where an operation requires them (``when_required``): the
+CRC32 trailers botocore 1.36 added to every upload are an S3 extension that other servers of
+the S3 API may refuse; the shards' own XXH3 digests are what fastloader checks. Tested against
+the loopback S3 server standing in for Cloud Storage (tests/test_remote.py), not against
+Cloud Storage itself. Azure Blob Storage has no S3 API: ``az://`` is refused, naming a
+mounted folder (blobfuse2) as the way.
+
+Credentials never appear in a URL, an error or a repr here: errors name the store's URL and
 the endpoint only.
 """
 
@@ -55,9 +68,10 @@ from typing import Any
 
 import xxhash
 
-__all__ = ["EXTRA", "S3Store"]
+__all__ = ["EXTRA", "GCS_ENDPOINT", "S3Store"]
 
 EXTRA = "pip install 'fastloader[remote]'"
+GCS_ENDPOINT = "https://storage.googleapis.com"  # NOTE [ Cloud Storage through its S3 API ]
 _CLIENTS: dict[tuple, Any] = {}  # (pid, endpoint, retries, timeout) -> this process's client
 _LOADER: list[Any] = []  # botocore's parsed models, kept across a fork (NOTE above)
 _MAKING = threading.Lock()  # clients are made one at a time
@@ -80,16 +94,18 @@ def _boto3() -> Any:
         import boto3
         import botocore  # noqa: F401
     except ImportError:
-        raise ImportError(f"s3:// URLs need the remote extra: {EXTRA} (boto3)") from None
+        raise ImportError(f"s3:// and gs:// URLs need the remote extra: {EXTRA} (boto3)") from None
     return boto3
 
 
 class S3Store:
-    """The shards under ``s3://bucket/prefix``.
+    """The shards under ``s3://bucket/prefix``, or ``gs://bucket/prefix`` through Cloud
+    Storage's S3 API (NOTE [ Cloud Storage through its S3 API ]).
 
     Args:
-        url: ``s3://bucket/prefix`` (the prefix may be empty).
-        endpoint_url: an S3-compatible endpoint; default ``$AWS_ENDPOINT_URL``, else AWS.
+        url: ``s3://bucket/prefix`` or ``gs://bucket/prefix`` (the prefix may be empty).
+        endpoint_url: an S3-compatible endpoint; default ``$AWS_ENDPOINT_URL``, else AWS
+            (for ``gs://``: ``GCS_ENDPOINT``).
         retries: attempts per request (boto3's standard retry mode: backoff on timeouts, 5xx,
             throttling) and per download (a cut-off body resumes with a ranged GET).
         timeout: seconds to connect and between bytes read.
@@ -111,13 +127,15 @@ class S3Store:
         range_min: int = _RANGE_MIN,
     ) -> None:
         _boto3()
-        rest = url.split("://", 1)[1]
+        scheme, _, rest = url.partition("://")
+        self.gcs = scheme == "gs"
         bucket, _, prefix = rest.partition("/")
         if not bucket:
-            raise ValueError(f"{url}: no bucket (expected s3://bucket/prefix)")
+            raise ValueError(f"{url}: no bucket (expected {scheme}://bucket/prefix)")
         self.bucket, self.prefix = bucket, prefix.strip("/")
-        self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
-        self.endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
+        self.url = f"{scheme}://{bucket}/{self.prefix}".rstrip("/")
+        default = GCS_ENDPOINT if self.gcs else os.environ.get("AWS_ENDPOINT_URL")
+        self.endpoint_url = endpoint_url or default or None
         self.retries, self.timeout = retries, timeout
         self.ranges, self.range_min = max(1, int(ranges)), max(1, int(range_min))
         self.requests = 0  # requests this process made through this store (the cache's stats)
@@ -157,10 +175,13 @@ class S3Store:
             # checksum of every body as well is work done twice
             response_checksum_validation="when_required",
         )
+        if self.gcs:  # NOTE [ Cloud Storage through its S3 API ]
+            options["request_checksum_calculation"] = "when_required"
         try:
             config = Config(**options)
-        except TypeError:  # botocore before 1.36 validates no response checksums
-            del options["response_checksum_validation"]
+        except TypeError:  # botocore before 1.36 sends and validates no such checksums
+            options.pop("response_checksum_validation")
+            options.pop("request_checksum_calculation", None)
             config = Config(**options)
         session = botocore.session.get_session()
         if _LOADER:
@@ -178,16 +199,25 @@ class S3Store:
         try:
             return getattr(self._client(), method)(Bucket=self.bucket, **kwargs)
         except exceptions.NoCredentialsError:
-            raise PermissionError(
-                f"{self._where(name)}: no S3 credentials: set AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or run where a role provides them)"
-            ) from None
+            raise PermissionError(f"{self._where(name)}: {self._no_credentials()}") from None
         except exceptions.ClientError as error:
             raise _client_error(error, self._where(name)) from None
         except exceptions.BotoCoreError as error:  # connection refused, timeouts: retried
             raise ConnectionError(
                 f"{self._where(name)}: {type(error).__name__} after {self.retries} attempts"
             ) from None
+
+    def _no_credentials(self) -> str:
+        if self.gcs:  # NOTE [ Cloud Storage through its S3 API ]
+            return (
+                "no Cloud Storage HMAC key: create one (gcloud storage hmac create "
+                "SERVICE_ACCOUNT_EMAIL) and set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY to "
+                "its access ID and secret (gs:// goes through Cloud Storage's S3 API)"
+            )
+        return (
+            "no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
+            "AWS_PROFILE, or run where a role provides them)"
+        )
 
     def local_path(self, name: str) -> Path | None:
         return None

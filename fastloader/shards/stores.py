@@ -1,8 +1,8 @@
 """Where the shards of a sharded pack live: a local (or shared) folder, or an object store.
 
 A store holds named objects: the shards and ``manifest.json``. ``open_store`` picks one from a
-path or URL. A folder is read in place (no copies: NFS, Lustre); an ``s3://`` URL goes through
-``s3.py``, imported only then (its client library is the ``remote`` extra).
+path or URL. A folder is read in place (no copies: NFS, Lustre); an ``s3://`` or ``gs://`` URL
+goes through ``s3.py``, imported only then (its client library is the ``remote`` extra).
 Stores hold no open connection and nothing unpicklable (NOTE [ One client per process ] in
 s3.py), and their ``url`` never holds credentials.
 """
@@ -21,7 +21,8 @@ from fastloader.shards.manifest import MANIFEST_NAME, Manifest, parse_manifest
 __all__ = ["LocalStore", "Store", "is_url", "open_store", "read_manifest", "temp_name"]
 
 MAX_MANIFEST_BYTES = 64 << 20
-REMOTE_SCHEMES = ("s3",)
+REMOTE_SCHEMES = ("s3", "gs")  # gs://: NOTE [ Cloud Storage through its S3 API ] in s3.py
+_AZURE_SCHEMES = ("az", "abfs", "abfss", "adl", "wasb", "wasbs")
 
 
 class Store(Protocol):
@@ -118,23 +119,29 @@ def is_url(path: Any) -> bool:
 
 
 def open_store(path_or_url: str | os.PathLike, **options: Any) -> Store:
-    """The store at a folder path, a ``file://`` URL or an ``s3://bucket/prefix`` URL.
+    """The store at a folder path, a ``file://`` URL, or an ``s3://bucket/prefix`` or
+    ``gs://bucket/prefix`` URL.
 
     Args:
         path_or_url: where the shards are.
-        options: for ``s3://``: ``endpoint_url``, ``retries``, ``timeout``, ``ranges``,
-            ``range_min``
-            (see ``fastloader.shards.s3.S3Store``).
+        options: for ``s3://`` and ``gs://``: ``endpoint_url``, ``retries``, ``timeout``,
+            ``ranges``, ``range_min`` (see ``fastloader.shards.s3.S3Store``).
 
     Raises:
         ValueError: for a URL scheme that is not supported, naming the ones that are.
-        ImportError: for ``s3://`` without the ``remote`` extra, naming it.
+        ImportError: for ``s3://`` or ``gs://`` without the ``remote`` extra, naming it.
     """
     if not is_url(path_or_url):
         return LocalStore(path_or_url)
     scheme, _, rest = str(path_or_url).partition("://")
     if scheme == "file":
         return LocalStore(rest)
+    if scheme in _AZURE_SCHEMES:
+        raise ValueError(
+            f"{scheme}:// is not supported: Azure Blob Storage has no S3 API, which "
+            "fastloader's client (boto3) speaks; mount the container (blobfuse2) and pass the "
+            "folder, or copy the shards to S3 or Cloud Storage"
+        )
     if scheme not in REMOTE_SCHEMES:
         raise ValueError(
             f"{scheme}:// is not supported: use a folder, file:// or "
