@@ -68,6 +68,27 @@ def test_each_epoch_counts_its_downloads_bytes_requests_and_hits(url, tmp_path, 
 
 
 @pytest.mark.slow
+def test_counters_left_by_an_earlier_process_with_the_same_pid_are_not_this_ones(url, tmp_path):
+    # a container restarted in place gives its processes the same host name and pids: the
+    # counters an earlier run's training process left must not be taken for this one's
+    import os
+    import socket
+
+    dataset = ShardedDataset(url, cache_dir=tmp_path, cache_limit="64MB")
+    shards = len(dataset.manifest.shards)
+    stats = dataset.cache.folder / ".stats"
+    stats.mkdir(exist_ok=True)
+    earlier = {"hits": 1, "misses": 1, "downloads": 2, "bytes_downloaded": 10, "requests": 2}
+    (stats / f"{socket.gethostname()}-{os.getpid()}.json").write_text(json.dumps(earlier))
+    loader = _loader(dataset, 0)
+    assert sorted(_epoch(loader)) == list(range(240))
+    first = loader.stats.last.downloads
+    assert (first.downloads, first.requests) == (shards, shards)
+    assert first.bytes_downloaded == dataset.manifest.size_bytes
+    loader.close()
+
+
+@pytest.mark.slow
 def test_bodies_cut_off_count_as_requests_and_a_slow_server_as_waiting(url, s3, tmp_path):
     from benchmarks._fault_proxy import FaultProxy
 

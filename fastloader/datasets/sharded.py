@@ -19,7 +19,7 @@ import os
 import resource
 import time
 from bisect import bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -398,10 +398,10 @@ class ShardedDataset(Dataset):
         or None for a folder read in place."""
         return None if self.cache is None else self.cache.node_stats()
 
-    def cache_counters(self) -> dict[str, Any] | None:
-        """What ``loader.stats`` reads of the cache (stats/downloads.py): each process's
-        counters by ``HOST-PID`` (cumulative) and the settings its advice names; None for a
-        folder read in place."""
+    def cache_counters(self, keys: Iterable[str] | None = None) -> dict[str, Any] | None:
+        """What ``loader.stats`` reads of the cache (stats/downloads.py): the counters of each
+        process (or of ``keys``) by ``process_key`` (cumulative) and the settings its advice
+        names; None for a folder read in place."""
         if self.cache is None:
             return None
         sizes = [shard.bytes for shard in self.manifest.shards]
@@ -412,7 +412,7 @@ class ShardedDataset(Dataset):
         ]
         return {
             "url": self.url,
-            "processes": self.cache.process_stats(),
+            "processes": self.cache.process_stats(keys),
             "ahead": self.ahead,
             "cache_limit": self.cache.limit,
             "cache_minimum": minimum[0],

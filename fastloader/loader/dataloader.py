@@ -263,7 +263,8 @@ class DataLoader(TorchDataLoader[T_co]):
     def __iter__(self) -> Iterator[Any]:
         """One epoch: torch's iterator class (``_BaseDataLoaderIter``), kept across epochs."""
         epoch, skip = self._cursor.begin(self._take_epoch_request())
-        self.stats.start_epoch(epoch, cached_sources(self.dataset))
+        running = self._pool.worker_pids if self._pool is not None else ()
+        self.stats.start_epoch(epoch, cached_sources(self.dataset), running)
         # torch draws a worker base seed from the global generator for every new iterator;
         # samples are seeded from (seed, epoch, index) instead, so keep the user's stream intact.
         with torch.random.fork_rng(devices=[]):

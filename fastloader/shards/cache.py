@@ -31,8 +31,11 @@ One folder per sharded pack, ``CACHE_DIR/<hash of the URL>/``, marked as ours by
   of a large shard itself in parallel ranges (NOTE [ Parallel ranged GETs ] in s3.py). How
   deep: NOTE [ How far ahead ].
 * Counters: each process writes its ``CacheStats`` (readers' hits and misses, seconds readers
-  waited, downloads, bytes and requests, evictions) to ``.stats/HOST-PID.json``;
-  ``process_stats`` reads each process's, ``node_stats`` adds them up (workers included).
+  waited, downloads, bytes and requests, evictions) to ``.stats/KEY.json``, its ``process_key``
+  (host, pid and the process's start time: a container restarted in place reuses host names
+  and pids, and a new process must not be read as an old one's continuation);
+  ``process_stats`` reads each process's (or those asked for), ``node_stats`` adds them up
+  (workers included).
   ``requests`` are the store's requests made by this process since its cache was made (a
   store without a ``requests`` counter counts none).
 """
@@ -43,13 +46,10 @@ import contextlib
 import errno
 import fcntl
 import hashlib
-import json
 import os
-import socket
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,10 +57,17 @@ import numpy as np
 
 from fastloader.formats.metadata import human_size
 from fastloader.formats.records import PackError
+from fastloader.shards.cache_counters import (
+    CacheStats,
+    added_up,
+    process_key,
+    read_counters,
+    write_counters,
+)
 from fastloader.shards.manifest import Manifest, Shard, file_checksum
 from fastloader.shards.stores import Store, temp_name
 
-__all__ = ["CacheFullError", "CacheStats", "ShardCache", "cache_minimum", "default_cache_dir"]
+__all__ = ["CacheFullError", "ShardCache", "cache_minimum", "default_cache_dir"]
 
 MARKER = ".fastloader-cache"
 _HELD: set[int] = set()  # lock fds this process holds (closed in a forked child)
@@ -93,24 +100,6 @@ os.register_at_fork(
 
 class CacheFullError(OSError):
     """The cache has no room for a shard (its folder, what it holds and the limit named)."""
-
-
-@dataclass
-class CacheStats:
-    """What this process's cache did: downloads, bytes, waits, hits."""
-
-    downloads: int = 0
-    bytes_downloaded: int = 0
-    hits: int = 0
-    misses: int = 0
-    wait_seconds: float = 0.0
-    evictions: int = 0
-    requests: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        asked = self.hits + self.misses
-        return self.hits / asked if asked else 1.0
 
 
 def default_cache_dir() -> Path:
@@ -191,6 +180,7 @@ class ShardCache:
         self._pid = os.getpid()
         self.plan_error: BaseException | None = None
         self._published = -2.0
+        self._key_of: tuple[int, str] = (-1, "")  # (pid, process_key) of the counters' file
         self._requests_at_start = getattr(self.store, "requests", 0)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -252,36 +242,26 @@ class ShardCache:
         return path
 
     def _publish(self, force: bool) -> None:
-        """Write this process's counters to ``.stats/HOST-PID.json`` (at most once a second
-        unless ``force``), where ``node_stats`` adds them up."""
+        """Write this process's counters to ``.stats/KEY.json`` (``process_key``; at most once
+        a second unless ``force``), where ``node_stats`` adds them up."""
         now = time.monotonic()
         if not force and now - self._published < 1.0:
             return
         self._published = now
         self.stats.requests = getattr(self.store, "requests", 0) - self._requests_at_start
-        folder = self.folder / ".stats"
-        with contextlib.suppress(OSError):
-            folder.mkdir(exist_ok=True)
-            target = folder / f"{socket.gethostname()}-{os.getpid()}.json"
-            temp = folder / f".{target.name}.partial"
-            temp.write_text(json.dumps(asdict(self.stats)))
-            os.replace(temp, target)
+        if self._key_of[0] != os.getpid():
+            self._key_of = (os.getpid(), process_key())
+        write_counters(self.folder / ".stats", self._key_of[1], self.stats)
 
-    def process_stats(self) -> dict[str, CacheStats]:
-        """Each process's counters (cumulative) by ``HOST-PID``, as last written."""
-        found = {}
-        for path in (self.folder / ".stats").glob("*.json"):
-            with contextlib.suppress(OSError, ValueError, TypeError):
-                found[path.stem] = CacheStats(**json.loads(path.read_text()))
-        return found
+    def process_stats(self, keys: Iterable[str] | None = None) -> dict[str, CacheStats]:
+        """Each process's counters (cumulative) by ``process_key``, as last written: every
+        process's, or those of ``keys`` (an epoch reads its loader's only, however many
+        processes used the folder before)."""
+        return read_counters(self.folder / ".stats", keys)
 
     def node_stats(self) -> CacheStats:
         """The counters of every process that used this cache folder, added up (cumulative)."""
-        total = CacheStats()
-        for stats in self.process_stats().values():
-            for name, value in asdict(stats).items():
-                setattr(total, name, getattr(total, name) + value)
-        return total
+        return added_up(self.process_stats().values())
 
     def _present(self, path: Path, shard: Shard) -> bool:
         try:

@@ -9,9 +9,11 @@ NOTE [ Download stats ]
 The cache writes each process's cumulative counters to its folder (NOTE [ The shard cache ] in
 shards/cache.py). An epoch's figures are the change, over the epoch, of the counters of this
 rank's loading processes: its workers and its training process (whose thread downloads ahead).
-Other ranks on the node are theirs to report (``dataset.cache_stats()`` adds up the node). A
-process seen for the first time, or whose counters went down (a new process with an old pid),
-counts whole. A process writes its hits at most once a second, so a few of an epoch's last
+Other ranks on the node are theirs to report (``dataset.cache_stats()`` adds up the node).
+Processes are told apart by ``process_key`` (host, pid and start time), so counters an earlier
+process with the same pid left (a container restarted in place) are never taken for a new
+one's, and an epoch reads only its processes' files. A process seen for the first time counts
+whole. A process writes its hits at most once a second, so a few of an epoch's last
 hits may count in the next epoch; misses, waits, downloads, bytes and requests are written as
 they happen.
 
@@ -40,11 +42,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 from collections.abc import Iterable
 from typing import Any
 
 from fastloader.formats.metadata import human_size
+from fastloader.shards.cache_counters import process_key
 
 #: Readers waiting for downloads this share of the loading processes' time is worth a change.
 DOWNLOAD_WAIT_SHARE = 0.10
@@ -148,24 +150,28 @@ def cached_sources(dataset: Any, depth: int = 0) -> tuple[Any, ...]:
     return cached_sources(getattr(dataset, "dataset", None), depth + 1)  # Subset, wrappers
 
 
-def snapshot(sources: Iterable[Any]) -> list[dict[str, Any]]:
-    """Each source's ``cache_counters()`` now."""
-    return [counters for source in sources if (counters := source.cache_counters()) is not None]
+def loader_keys(pids: Iterable[int]) -> frozenset[str]:
+    """The counters' keys (``process_key``) of processes ``pids`` and of this one."""
+    return frozenset(process_key(pid) for pid in (*pids, os.getpid()))
+
+
+def snapshot(sources: Iterable[Any], keys: frozenset[str]) -> list[dict[str, Any]]:
+    """Each source's ``cache_counters`` of processes ``keys`` now."""
+    found = (source.cache_counters(keys) for source in sources)
+    return [counters for counters in found if counters is not None]
 
 
 def epoch_downloads(
     before: list[dict[str, Any]],
     after: list[dict[str, Any]],
-    pids: Iterable[int],
+    keys: frozenset[str],
     wall_s: float,
     processes: int,
 ) -> DownloadStats | None:
-    """The change from ``before`` to ``after`` of the counters of processes ``pids`` (and
-    this one) on this host, added up over sources; None without sources."""
+    """The change from ``before`` to ``after`` of the counters of processes ``keys``
+    (``loader_keys``), added up over sources; None without sources."""
     if not after:
         return None
-    host = socket.gethostname()
-    keys = {f"{host}-{pid}" for pid in (*pids, os.getpid())}
     first = after[0]
     settings = {field: first[field] for field in _SETTINGS if field in first}
     total = DownloadStats(wall_s=wall_s, processes=max(1, processes), **settings)

@@ -73,6 +73,7 @@ class EpochStats:
     _ended_at: float | None = dataclasses.field(default=None, repr=False)
     _caches: tuple = dataclasses.field(default=(), repr=False)  # datasets with a shard cache
     _caches_before: Any = dataclasses.field(default=None, repr=False)  # their counters at start
+    _keys: frozenset = dataclasses.field(default=frozenset(), repr=False)  # loading processes
 
     @property
     def wall_s(self) -> float:

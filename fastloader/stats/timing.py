@@ -27,7 +27,7 @@ import torch
 
 from fastloader.stats.batch_size import batch_size
 from fastloader.stats.diagnosis import INPUT_BOUND_THRESHOLD
-from fastloader.stats.downloads import epoch_downloads, snapshot
+from fastloader.stats.downloads import epoch_downloads, loader_keys, snapshot
 from fastloader.stats.epoch import EpochStats
 from fastloader.stats.io_probe import io_verdict, sum_counters
 
@@ -78,13 +78,17 @@ class LoaderStats:
                 return epoch
         return None
 
-    def start_epoch(self, epoch: int, sources: Sequence[Any] = ()) -> None:
+    def start_epoch(
+        self, epoch: int, sources: Sequence[Any] = (), pids: Sequence[int] = ()
+    ) -> None:
         """Start recording epoch ``epoch`` (closing a running one as incomplete).
 
         Args:
             epoch: the epoch number.
             sources: the datasets that download shards to a cache
                 (``stats.downloads.cached_sources``): the epoch counts their downloads.
+            pids: the worker processes already running (persistent workers), whose counters
+                the epoch's downloads start from.
         """
         if self._current is not None:
             self._close(complete=False)
@@ -92,7 +96,8 @@ class LoaderStats:
         self._current = EpochStats(epoch=epoch)
         if sources:
             self._current._caches = tuple(sources)
-            self._current._caches_before = snapshot(sources)
+            self._current._keys = loader_keys(pids)
+            self._current._caches_before = snapshot(sources, self._current._keys)
         self.epochs.append(self._current)
         self._last_handout = None
         self._expected = None
@@ -117,6 +122,8 @@ class LoaderStats:
         stats._busy = busy
         stats._busy_at_start = float(sum(busy)) if busy is not None else 0.0
         stats._pids = tuple(pids)
+        if stats._caches:  # workers started for this epoch: their counters from none
+            stats._keys = stats._keys | loader_keys(pids)
         stats._io_before = sum_counters(stats._pids) if stats._pids else None
 
     def iter_done(self, batches: int | None = None) -> None:
@@ -264,9 +271,9 @@ class LoaderStats:
         cache (NOTE [ Download stats ] in stats/downloads.py)."""
         if not stats._caches_before:
             return None
-        after = snapshot(stats._caches)
+        after = snapshot(stats._caches, stats._keys)
         wall = end - stats._started_at
-        return epoch_downloads(stats._caches_before, after, stats._pids, wall, stats.workers or 1)
+        return epoch_downloads(stats._caches_before, after, stats._keys, wall, stats.workers or 1)
 
 
 def timed_iter(
