@@ -150,3 +150,40 @@ def test_a_damaged_block_is_refused_and_the_rest_of_its_shard_still_read(tmp_pat
         )
         with pytest.raises(PackError, match=f"{shard.name}: damaged field 'x' rows 16-31"):
             dataset.read_batch_columns([*undamaged, first + 20])
+
+
+class Pages:
+    """Rows of exactly one memory page (4096 uint8): in an LMDB shard each lies whole pages
+    from the map's start, so a gather's rows share one alignment."""
+
+    def __len__(self) -> int:
+        return 60
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": np.full(4096, i % 251, np.uint8), "y": i}
+
+
+def test_a_batch_tensor_is_placed_at_its_rows_alignment_and_holds_them(tmp_path):
+    # NOTE [ Gathered into the batch tensor ] (collate.py): a batch tensor whose address is
+    # just past its source rows' modulo a page slows every row's copy (4K aliasing), so it is
+    # moved to their alignment: for rows of one pack and for rows of many shards alike
+    from fastloader.datasets.collate import _ALIASED, _whole_tensor
+    from fastloader.formats.mapped_rows import PAGE
+
+    one = open_pack(_pack(tmp_path / "one.lmdb", None))
+    shards = ShardedDataset(_pack(tmp_path / "shards", "60KB"))
+    indices = list(range(59, -1, -3))
+    shards.read_batch_columns(indices)  # opens (and checks) the shards: then gathered at once
+    for dataset in (one, shards):
+        column = dataset.read_batch_columns(indices).columns["x"]
+        source = column.source_address()
+        assert source is not None
+        tensor = _whole_tensor(column)
+        assert not 0 < (tensor.data_ptr() - source) % PAGE < _ALIASED
+        assert tensor[:, 0].tolist() == [i % 251 for i in indices]
+    assert isinstance(column, shard_gather.ScatteredRows) and len(shards.manifest.shards) > 2
+
+
+def _pack(target, shard_size):
+    pack(Pages(), target, shard_size=shard_size, workers=0, progress=False)
+    return target

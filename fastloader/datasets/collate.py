@@ -27,7 +27,6 @@ raise an error that names them; a batch that stacks costs nothing extra.
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -38,7 +37,7 @@ from torch.utils.data import Subset, get_worker_info
 from torch.utils.data import default_collate as torch_default_collate
 
 from fastloader.datasets.columns import ColumnBatch
-from fastloader.formats.mapped_rows import MappedRows, RowsToGather, gathered
+from fastloader.formats.mapped_rows import PAGE, RowsToGather, address_of, gathered
 
 __all__ = [
     "PILImagesError",
@@ -206,35 +205,17 @@ def _whole_tensor(column: Any) -> torch.Tensor:
         return torch.from_numpy(column)
     out = np.empty(column.shape, column.dtype)
     tensor = torch.from_numpy(out)
-    source = _address(column.source) if type(column) is MappedRows else tensor.data_ptr()
-    if 0 < (tensor.data_ptr() - source) % _PAGE < _ALIASED:  # moved to the source's alignment
-        spare = np.empty(column.nbytes + _PAGE, np.uint8)
-        at = (source - _address(spare)) % _PAGE
+    source = column.source_address() or tensor.data_ptr()
+    if 0 < (tensor.data_ptr() - source) % PAGE < _ALIASED:  # moved to the source's alignment
+        spare = np.empty(column.nbytes + PAGE, np.uint8)
+        at = (source - address_of(spare)) % PAGE
         out = spare[at : at + column.nbytes].view(column.dtype).reshape(column.shape)
         tensor = torch.from_numpy(out)
     column.into(out)
     return tensor
 
 
-#: id of a mapped source -> (a weak reference to it, its address): asked once per source
-#: (``__array_interface__`` costs 4 us, twice a column's ``from_numpy``)
-_ADDRESSES: dict[int, tuple[Any, int]] = {}
-
-
-def _address(array: np.ndarray) -> int:
-    known = _ADDRESSES.get(id(array))
-    if known is not None and known[0]() is array:
-        return known[1]
-    address = array.__array_interface__["data"][0]
-    if array.base is None:  # an array of its own (a spare): not kept
-        return address
-    if len(_ADDRESSES) >= 256:
-        _ADDRESSES.clear()
-    _ADDRESSES[id(array)] = (weakref.ref(array), address)
-    return address
-
-
-_PAGE, _ALIASED = 4096, 64
+_ALIASED = 64
 
 # NOTE [ Gathered into the batch tensor ]
 # In the main process a mapped field's rows are gathered by ``np.take`` straight into a new

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastloader.formats.mapped_rows import RowsToGather
+from fastloader.formats.mapped_rows import PAGE, RowsToGather
 
 __all__ = ["ColumnMemory", "ScatteredRows", "ShardMaps"]
 
@@ -76,6 +76,10 @@ class ScatteredRows(RowsToGather):
     def into(self, out: np.ndarray) -> None:
         self.memory.gather(self.items, out)
 
+    def source_address(self) -> int | None:
+        # rows lie whole units from the memory's start: one alignment when a unit is pages
+        return self.memory.low if self.memory.unit % PAGE == 0 else None
+
 
 class _Memory:
     """What ``np.asarray`` makes a view of: ``shape`` items of ``typestr`` from ``address``,
@@ -109,7 +113,7 @@ class ColumnMemory:
     ) -> None:
         # first[s]: the byte offset from low of index 0 of shard s, so that index i of shard s
         # lies at first[s] + i * width (its ready entries: ``ready``)
-        self.width = width
+        self.width, self.low = width, low
         unit = math.gcd(width, *(int(offset) for offset in np.unique(first[ready])))
         if width // unit <= _ITEMS_PER_ROW:
             self.unit, self.spread = unit, np.arange(width // unit, dtype=np.int64)

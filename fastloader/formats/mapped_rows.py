@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
 
-__all__ = ["MappedRows", "RowsToGather", "gathered"]
+__all__ = ["PAGE", "MappedRows", "RowsToGather", "address_of", "gathered"]
+
+PAGE = 4096  # bytes of a memory page: NOTE [ Gathered into the batch tensor ]
 
 
 class RowsToGather:
@@ -24,6 +27,12 @@ class RowsToGather:
 
     def into(self, out: np.ndarray) -> None:
         raise NotImplementedError
+
+    def source_address(self) -> int | None:
+        """An address every row's bytes start at modulo ``PAGE``, where one is known (the batch
+        tensor is placed to match it: NOTE [ Gathered into the batch tensor ] in
+        datasets/collate.py); else None."""
+        return None
 
 
 class MappedRows(RowsToGather):
@@ -55,6 +64,9 @@ class MappedRows(RowsToGather):
     def array(self) -> np.ndarray:
         return self.source[self.rows]
 
+    def source_address(self) -> int | None:
+        return address_of(self.source)
+
     def into(self, out: np.ndarray) -> None:
         # "clip" is never used (the rows are in range) but, unlike "raise", copies unbuffered
         np.take(self.source, self.rows, axis=0, out=out, mode="clip")
@@ -63,3 +75,22 @@ class MappedRows(RowsToGather):
 def gathered(column: Any) -> Any:
     """``column``, gathered into an array if it is ``RowsToGather``."""
     return column.array() if isinstance(column, RowsToGather) else column
+
+
+#: id of a mapped source -> (a weak reference to it, its address): asked once per source
+#: (``__array_interface__`` costs 4 us, twice a column's ``from_numpy``)
+_ADDRESSES: dict[int, tuple[Any, int]] = {}
+
+
+def address_of(array: np.ndarray) -> int:
+    """The address of ``array``'s data (remembered for a view of a map)."""
+    known = _ADDRESSES.get(id(array))
+    if known is not None and known[0]() is array:
+        return known[1]
+    address = array.__array_interface__["data"][0]
+    if array.base is None:  # an array of its own (a spare): not kept
+        return address
+    if len(_ADDRESSES) >= 256:
+        _ADDRESSES.clear()
+    _ADDRESSES[id(array)] = (weakref.ref(array), address)
+    return address
