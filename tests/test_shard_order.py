@@ -186,3 +186,34 @@ def test_the_order_is_the_one_earlier_releases_saved_states_in(args, digest):
 
     order = shard_epoch_order(*args)
     assert xxhash.xxh3_64_hexdigest(order.astype("<i8").tobytes()) == digest
+
+
+class _Counts:
+    def __init__(self, counts: list[int]) -> None:
+        self.shard_counts = counts
+
+    def __len__(self) -> int:
+        return sum(self.shard_counts)
+
+
+def test_each_rank_gets_its_part_of_every_step_sorted_by_lane_from_any_position():
+    # the dealing of whole steps is computed once per place among the lanes; here each rank's
+    # indices are checked against every step's positions sorted by lane one by one (NOTE [ The
+    # shard-aware order ]), over world sizes, batch sizes not a multiple of lanes, starts
+    rng = np.random.default_rng(7)
+    for trial in range(60):
+        counts = rng.integers(1, 90, rng.integers(1, 30)).tolist()
+        lanes, window = int(rng.integers(1, 10)), int(rng.integers(1, 5))
+        world, batch = int(rng.integers(1, 5)), int(rng.integers(1, 40))
+        start = int(rng.integers(0, sum(counts))) if trial % 2 else 0
+        args = dict(num_replicas=world, seed=trial, lanes=lanes, window=window, drop_last=True)
+        samplers = [ShardOrderSampler(_Counts(counts), batch, rank=r, **args) for r in range(world)]
+        order = shard_epoch_order(trial, 0, counts, lanes, window)
+        indices = [sampler.rank_indices(start).tolist() for sampler in samplers]
+        step = world * batch
+        for at in range(start, start + (len(order) - start) // step * step, step):
+            dealt = sorted(range(at, at + step), key=lambda position: position % lanes)
+            for rank in range(world):
+                mine = indices[rank][(at - start) // world :][:batch]
+                want = order[dealt[rank * batch : (rank + 1) * batch]].tolist()
+                assert mine == want, (trial, at, rank)
