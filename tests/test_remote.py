@@ -169,27 +169,34 @@ def test_missing_credentials_say_what_to_set(url, tmp_path):
     assert "no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in run.stderr
 
 
-def test_a_gs_url_reads_the_same_samples_through_the_s3_api(url, tmp_path):
-    # the loopback server stands in for Cloud Storage's XML API (its endpoint given)
+def test_a_gs_url_reads_the_same_samples_through_the_s3_api(url, tmp_path, monkeypatch):
+    # the loopback server stands in for Cloud Storage's XML API (its endpoint given), with the
+    # HMAC key in GS_* (NOTE [ Cloud Storage through its S3 API ])
     gcs = url.replace("s3://", "gs://")
     endpoint = os.environ["AWS_ENDPOINT_URL"]
+    monkeypatch.setenv("GS_ACCESS_KEY_ID", _seaweed.ACCESS_KEY)
+    monkeypatch.setenv("GS_SECRET_ACCESS_KEY", _seaweed.SECRET_KEY)
     dataset = ShardedDataset(gcs, cache_dir=tmp_path, endpoint_url=endpoint)
     assert [int(s["y"]) for s in dataset.__getitems__(list(range(300)))] == list(range(300))
     assert dataset.cache.stats.downloads == len(dataset.manifest.shards)
+    config = dataset.store._client().meta.config  # its own client, not the s3:// stores'
+    assert getattr(config, "request_checksum_calculation", "when_required") == "when_required"
     with pytest.raises(FileNotFoundError, match=f"gs://{BUCKET}/nothing-here/manifest.json"):
         ShardedDataset(f"gs://{BUCKET}/nothing-here", cache_dir=tmp_path, endpoint_url=endpoint)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(
-        AWS_CONFIG_FILE=str(tmp_path / "none"),
-        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
-        AWS_EC2_METADATA_DISABLED="true",
-        PYTHONPATH=os.getcwd(),
-    )
+
+
+def test_a_gs_url_never_takes_the_aws_credentials_and_says_what_to_set(url, tmp_path):
+    # AWS's keys are in the environment (the fixture's): a gs:// URL must not send them to
+    # Google, but ask for its own HMAC key
+    gcs, endpoint = url.replace("s3://", "gs://"), os.environ["AWS_ENDPOINT_URL"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GS_")}
+    env.update(PYTHONPATH=os.getcwd())
     run = _run(
         f"import fastloader; fastloader.ShardedDataset({gcs!r}, endpoint_url={endpoint!r})", env
     )
     assert run.returncode != 0 and "no Cloud Storage HMAC key" in run.stderr
-    assert "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in run.stderr
+    assert "set GS_ACCESS_KEY_ID and GS_SECRET_ACCESS_KEY" in run.stderr
+    assert _seaweed.SECRET_KEY not in run.stderr
 
 
 def test_a_url_without_the_remote_extra_names_the_extra(tmp_path):

@@ -74,12 +74,17 @@ def test_counters_left_by_an_earlier_process_with_the_same_pid_are_not_this_ones
     import os
     import socket
 
+    from fastloader.shards.cache_counters import process_key
+
     dataset = ShardedDataset(url, cache_dir=tmp_path, cache_limit="64MB")
     shards = len(dataset.manifest.shards)
     stats = dataset.cache.folder / ".stats"
     stats.mkdir(exist_ok=True)
     earlier = {"hits": 1, "misses": 1, "downloads": 2, "bytes_downloaded": 10, "requests": 2}
-    (stats / f"{socket.gethostname()}-{os.getpid()}.json").write_text(json.dumps(earlier))
+    start = int(process_key().rsplit("-", 1)[1])  # this process's start time
+    host, pid = socket.gethostname(), os.getpid()
+    for name in (f"{host}-{pid}", f"{host}-{pid}-0", f"{host}-{pid}-{start - 1}"):
+        (stats / f"{name}.json").write_text(json.dumps(earlier))  # earlier processes' names
     loader = _loader(dataset, 0)
     assert sorted(_epoch(loader)) == list(range(240))
     first = loader.stats.last.downloads

@@ -178,6 +178,7 @@ def test_a_batch_tensor_is_placed_at_its_rows_alignment_and_holds_them(tmp_path)
         column = dataset.read_batch_columns(indices).columns["x"]
         source = column.source_address()
         assert source is not None
+        assert {address % PAGE for address in _row_addresses(column)} == {source % PAGE}
         tensor = _whole_tensor(column)
         assert not 0 < (tensor.data_ptr() - source) % PAGE < _ALIASED
         assert tensor[:, 0].tolist() == [i % 251 for i in indices]
@@ -187,3 +188,12 @@ def test_a_batch_tensor_is_placed_at_its_rows_alignment_and_holds_them(tmp_path)
 def _pack(target, shard_size):
     pack(Pages(), target, shard_size=shard_size, workers=0, progress=False)
     return target
+
+
+def _row_addresses(column) -> list[int]:
+    """Where each row of ``column`` (rows not gathered yet) lies in memory."""
+    if isinstance(column, shard_gather.ScatteredRows):
+        memory = column.memory  # items of memory.unit bytes from memory.low
+        return [memory.low + int(item) * memory.unit for item in column.items[:, 0]]
+    first = column.source.__array_interface__["data"][0]
+    return [first + int(row) * column.source[:1].nbytes for row in column.rows]

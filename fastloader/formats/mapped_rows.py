@@ -29,9 +29,10 @@ class RowsToGather:
         raise NotImplementedError
 
     def source_address(self) -> int | None:
-        """An address every row's bytes start at modulo ``PAGE``, where one is known (the batch
-        tensor is placed to match it: NOTE [ Gathered into the batch tensor ] in
-        datasets/collate.py); else None."""
+        """The address the batch tensor is placed to match modulo ``PAGE`` (NOTE [ Gathered
+        into the batch tensor ] in datasets/collate.py): the source's, where the rows are
+        gathered from one array (``MappedRows``) or lie whole pages from one address; else
+        None (the tensor stays where it was allocated)."""
         return None
 
 

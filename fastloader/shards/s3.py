@@ -44,7 +44,11 @@ NOTE [ Cloud Storage through its S3 API ]
 S3 API to S3 clients (Google's "simple migration": its endpoint and an HMAC key in place of
 AWS's keys). So a ``gs://`` store is an ``S3Store`` whose endpoint defaults to
 ``GCS_ENDPOINT`` (``endpoint_url=`` overrides it; ``AWS_ENDPOINT_URL``, set for S3, does not),
-whose errors name the ``gs://`` URL and say to set an HMAC key, and whose client sends
+whose key is ``GS_ACCESS_KEY_ID`` and ``GS_SECRET_ACCESS_KEY`` (the names of gsutil's boto
+config) and nothing of AWS's credential chain: on a host with AWS credentials (a role, a
+profile) they are never sent to Google, and S3 and Cloud Storage sources mix in one process.
+Its errors name the ``gs://`` URL and those variables, and its client (a client of its own, not
+an ``s3://`` store's at the same endpoint) sends
 botocore's own checksums only where an operation requires them (``when_required``): the
 CRC32 trailers botocore 1.36 added to every upload are an S3 extension that other servers of
 the S3 API may refuse; the shards' own XXH3 digests are what fastloader checks. Tested against
@@ -151,7 +155,7 @@ class S3Store:
         return f"{self.url}/{name}{at}"
 
     def _client(self) -> Any:
-        key = (os.getpid(), self.endpoint_url, self.retries, self.timeout)
+        key = (os.getpid(), self.gcs, self.endpoint_url, self.retries, self.timeout)
         client = _CLIENTS.get(key)
         if client is not None:
             return client
@@ -188,7 +192,10 @@ class S3Store:
             session.register_component("data_loader", _LOADER[0])
         else:
             _LOADER.append(session.get_component("data_loader"))
-        return session.create_client("s3", endpoint_url=self.endpoint_url, config=config)
+        keys: dict[str, str] = {}
+        if self.gcs:  # its HMAC key only: NOTE [ Cloud Storage through its S3 API ]
+            keys = _gcs_key()
+        return session.create_client("s3", endpoint_url=self.endpoint_url, config=config, **keys)
 
     def _call(self, name: str, method: str, **kwargs: Any) -> Any:
         """``client.method(**kwargs)`` with errors that name the object, never credentials."""
@@ -201,17 +208,20 @@ class S3Store:
         except exceptions.NoCredentialsError:
             raise PermissionError(f"{self._where(name)}: {self._no_credentials()}") from None
         except exceptions.ClientError as error:
-            raise _client_error(error, self._where(name)) from None
+            raise _client_error(error, self._where(name), self._credentials()) from None
         except exceptions.BotoCoreError as error:  # connection refused, timeouts: retried
             raise ConnectionError(
                 f"{self._where(name)}: {type(error).__name__} after {self.retries} attempts"
             ) from None
 
+    def _credentials(self) -> str:
+        return "Cloud Storage HMAC key (GS_ACCESS_KEY_ID)" if self.gcs else "S3 credentials"
+
     def _no_credentials(self) -> str:
         if self.gcs:  # NOTE [ Cloud Storage through its S3 API ]
             return (
                 "no Cloud Storage HMAC key: create one (gcloud storage hmac create "
-                "SERVICE_ACCOUNT_EMAIL) and set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY to "
+                "SERVICE_ACCOUNT_EMAIL) and set GS_ACCESS_KEY_ID and GS_SECRET_ACCESS_KEY to "
                 "its access ID and secret (gs:// goes through Cloud Storage's S3 API)"
             )
         return (
@@ -327,7 +337,17 @@ def _last(end: int | None) -> str:
     return "" if end is None else str(end - 1)
 
 
-def _client_error(error: Any, where: str) -> OSError:
+def _gcs_key() -> dict[str, str]:
+    """The Cloud Storage HMAC key from the environment, as botocore's client arguments."""
+    from botocore.exceptions import NoCredentialsError
+
+    access, secret = os.environ.get("GS_ACCESS_KEY_ID"), os.environ.get("GS_SECRET_ACCESS_KEY")
+    if not (access and secret):
+        raise NoCredentialsError()  # named by S3Store._call
+    return {"aws_access_key_id": access, "aws_secret_access_key": secret}
+
+
+def _client_error(error: Any, where: str, credentials: str) -> OSError:
     code = str(error.response.get("Error", {}).get("Code", ""))
     status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     if code in ("NoSuchKey", "404", "NotFound"):
@@ -335,5 +355,5 @@ def _client_error(error: Any, where: str) -> OSError:
     if code == "NoSuchBucket":
         return FileNotFoundError(f"{where}: no such bucket")
     if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
-        return PermissionError(f"{where}: access denied ({code}): check the S3 credentials")
+        return PermissionError(f"{where}: access denied ({code}): check the {credentials}")
     return ConnectionError(f"{where}: S3 error {code or status}")

@@ -10,10 +10,12 @@ The cache writes each process's cumulative counters to its folder (NOTE [ The sh
 shards/cache.py). An epoch's figures are the change, over the epoch, of the counters of this
 rank's loading processes: its workers and its training process (whose thread downloads ahead).
 Other ranks on the node are theirs to report (``dataset.cache_stats()`` adds up the node).
-Processes are told apart by ``process_key`` (host, pid and start time), so counters an earlier
-process with the same pid left (a container restarted in place) are never taken for a new
-one's, and an epoch reads only its processes' files. A process seen for the first time counts
-whole. A process writes its hits at most once a second, so a few of an epoch's last
+Processes are told apart by ``process_key`` (host, pid and start time; on Linux), so counters
+an earlier process with the same pid left (a container restarted in place) are never taken for
+a new one's, and an epoch reads only its processes' files. A process seen for the first time,
+or whose counters went down (a cache made again in the same process), counts whole. A worker
+that replaces one mid-epoch is not among the epoch's processes: its reads count from the next
+epoch on. A process writes its hits at most once a second, so a few of an epoch's last
 hits may count in the next epoch; misses, waits, downloads, bytes and requests are written as
 they happen.
 
