@@ -197,6 +197,14 @@ def test_a_gs_url_never_takes_the_aws_credentials_and_says_what_to_set(url, tmp_
     assert run.returncode != 0 and "no Cloud Storage HMAC key" in run.stderr
     assert "set GS_ACCESS_KEY_ID and GS_SECRET_ACCESS_KEY" in run.stderr
     assert _seaweed.SECRET_KEY not in run.stderr
+    # a wrong HMAC key beside the right AWS keys: refused, naming the key that was used
+    env.update(GS_ACCESS_KEY_ID="not-a-key", GS_SECRET_ACCESS_KEY="not-a-secret")
+    run = _run(
+        f"import fastloader; fastloader.ShardedDataset({gcs!r}, endpoint_url={endpoint!r})", env
+    )
+    assert run.returncode != 0 and "PermissionError" in run.stderr
+    assert "check the Cloud Storage HMAC key (GS_ACCESS_KEY_ID)" in run.stderr
+    assert "not-a-secret" not in run.stderr and _seaweed.SECRET_KEY not in run.stderr
 
 
 def test_a_url_without_the_remote_extra_names_the_extra(tmp_path):

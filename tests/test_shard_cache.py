@@ -205,13 +205,6 @@ def test_a_child_forked_while_its_parent_holds_a_lock_does_not_keep_it(tmp_path)
     child.join(30)
 
 
-def _ended_process_key() -> str:
-    """The counters' key of a process that ran and has ended."""
-    code = "from fastloader.shards.cache_counters import process_key; print(process_key())"
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    return run.stdout.strip()
-
-
 def test_a_process_key_names_one_process_as_it_names_itself():
     from fastloader.shards.cache_counters import process_key
 
@@ -229,36 +222,3 @@ def test_a_process_key_names_one_process_as_it_names_itself():
     finally:
         child.communicate("\n", timeout=60)
     assert process_key(child.pid) != own  # ended: not the same process any more
-
-
-def test_counters_of_ended_processes_are_folded_into_one_file_and_the_node_total_kept(
-    source, tmp_path
-):
-    # a loader without persistent workers starts new ones every epoch: .stats keeps a file
-    # per live process and one per host, and ds.cache_stats() adds up the same
-    import json
-
-    from fastloader.shards.cache_counters import CacheStats, process_key, write_counters
-
-    cache, _ = _cache(source, tmp_path)
-    stats = cache.folder / ".stats"
-    ended = [_ended_process_key() for _ in range(3)]
-    for number, key in enumerate([*ended, process_key()]):
-        write_counters(stats, key, CacheStats(downloads=number + 1, hits=10))
-    old = time.time() - 7200
-    for key in [*ended[:2], process_key()]:  # the third ended an instant ago: kept a while
-        os.utime(stats / f"{key}.json", (old, old))
-    before = cache.node_stats()
-    assert (before.downloads, before.hits) == (10, 40)
-    again, _ = _cache(source, tmp_path)  # a new cache on the folder folds what has ended
-    left = sorted(p.stem for p in stats.glob("*.json"))
-    host = process_key().rsplit("-", 2)[0]
-    assert left == sorted([ended[2], process_key(), f"retired-{host}"])
-    assert again.node_stats() == before
-    # a fold cut off before its files were deleted is not counted twice
-    retired = json.loads((stats / f"retired-{host}.json").read_text())
-    retired["folded"] = [ended[2]]  # its counters added, its file still there
-    retired["total"]["downloads"] += 3
-    retired["total"]["hits"] += 10
-    (stats / f"retired-{host}.json").write_text(json.dumps(retired))
-    assert again.node_stats() == before

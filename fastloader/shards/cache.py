@@ -35,8 +35,7 @@ One folder per sharded pack, ``CACHE_DIR/<hash of the URL>/``, marked as ours by
   (host, pid and the process's start time: a container restarted in place reuses host names
   and pids, and a new process must not be read as an old one's continuation);
   ``process_stats`` reads each process's (or those asked for), ``node_stats`` adds them up
-  (workers included). A cache made on the folder folds the files of this host's processes
-  that ended into one (``retire_ended``).
+  (workers included).
   ``requests`` are the store's requests made by this process since its cache was made (a
   store without a ``requests`` counter counts none).
 """
@@ -63,7 +62,6 @@ from fastloader.shards.cache_counters import (
     added_up,
     process_key,
     read_counters,
-    retire_ended,
     write_counters,
 )
 from fastloader.shards.manifest import Manifest, Shard, file_checksum
@@ -169,11 +167,6 @@ class ShardCache:
         (self.folder / ".locks").mkdir(parents=True, exist_ok=True)
         (self.folder / MARKER).write_text(store.url + "\n")
         self._local_state()
-        with _locked(
-            self.folder / ".locks" / ".stats-retire", fcntl.LOCK_EX | fcntl.LOCK_NB
-        ) as mine:
-            if mine:  # else another process is at it
-                retire_ended(self.folder / ".stats")
 
     def _local_state(self) -> None:
         self.stats = CacheStats()

@@ -9,23 +9,12 @@ import json
 import os
 import socket
 import threading
-import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "CacheStats",
-    "added_up",
-    "process_key",
-    "read_counters",
-    "retire_ended",
-    "write_counters",
-]
-
-RETIRED = "retired"  # file name prefix: ``retired-HOST.json``
-_RETIRE_AFTER_S = 3600.0  # a dead process's file is folded once this old (an epoch may read it)
+__all__ = ["CacheStats", "added_up", "process_key", "read_counters", "write_counters"]
 
 
 @dataclass
@@ -76,23 +65,9 @@ def write_json(target: Path, value: Any) -> None:
 
 
 def read_counters(folder: Path, keys: Iterable[str] | None = None) -> dict[str, CacheStats]:
-    """The counters in ``folder`` by key: all (each host's ended processes' as one,
-    ``retired-HOST``: ``retire_ended``), or those of ``keys``; unreadable ones skipped."""
-    if keys is not None:
-        return _read(folder / f"{key}.json" for key in keys)
-    found, folded = {}, set()
-    for path in folder.glob(f"{RETIRED}-*.json"):
-        with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-            retired = json.loads(path.read_text())
-            found[path.stem] = CacheStats(**retired["total"])
-            folded |= set(retired["folded"])  # counted in the total, their files not gone yet
-    paths = folder.glob("*.json")
-    return found | _read(
-        p for p in paths if not p.stem.startswith(RETIRED) and p.stem not in folded
-    )
-
-
-def _read(paths: Iterable[Path]) -> dict[str, CacheStats]:
+    """The counters in ``folder`` by key: all, or those of ``keys``; unreadable ones skipped.
+    A file stays for every process that ever used the folder (one small file each)."""
+    paths = folder.glob("*.json") if keys is None else (folder / f"{key}.json" for key in keys)
     found = {}
     for path in paths:
         with contextlib.suppress(OSError, ValueError, TypeError):
@@ -107,48 +82,3 @@ def added_up(counters: Iterable[CacheStats]) -> CacheStats:
         for field in fields(CacheStats):
             setattr(total, field.name, getattr(total, field.name) + getattr(stats, field.name))
     return total
-
-
-def retire_ended(folder: Path) -> None:
-    """Fold the counters of this host's processes that have ended (their key no longer names a
-    live process) into ``retired-HOST.json`` and delete their files, so that ``.stats`` holds a
-    file per live process and one per host, not one per process that ever used the cache
-    (a loader without persistent workers starts new ones every epoch). Only files an hour old
-    (an epoch reads its processes' files when it ends), and only keys with a start time (off
-    Linux none is known). The caller holds the folder's lock (``ShardCache``). Exact across a
-    crash: the retired file lists the keys it holds until their files are gone."""
-    host = socket.gethostname()
-    retired_path = folder / f"{RETIRED}-{host}.json"
-    try:
-        retired = json.loads(retired_path.read_text())
-        total, folded = CacheStats(**retired["total"]), set(retired["folded"])
-    except (OSError, ValueError, TypeError, KeyError):
-        total, folded = CacheStats(), set()
-    now, ended = time.time(), []
-    for path in folder.glob(f"{host}-*.json"):
-        key = path.stem
-        if key in folded or not _ended(key, host, path, now):
-            continue
-        with contextlib.suppress(OSError, ValueError, TypeError):
-            total = added_up([total, CacheStats(**json.loads(path.read_text()))])
-            ended.append(key)
-    if not ended and not folded:
-        return
-    folded |= set(ended)
-    write_json(retired_path, {"total": asdict(total), "folded": sorted(folded)})
-    for key in sorted(folded):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(folder / f"{key}.json")
-    write_json(retired_path, {"total": asdict(total), "folded": []})
-
-
-def _ended(key: str, host: str, path: Path, now: float) -> bool:
-    pid, _, start = key[len(host) + 1 :].partition("-")
-    if not pid.isdigit() or not start.isdigit() or start == "0":
-        return False
-    try:
-        if now - path.stat().st_mtime < _RETIRE_AFTER_S:
-            return False
-    except OSError:
-        return False
-    return process_key(int(pid)) != key

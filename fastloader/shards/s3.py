@@ -76,7 +76,7 @@ __all__ = ["EXTRA", "GCS_ENDPOINT", "S3Store"]
 
 EXTRA = "pip install 'fastloader[remote]'"
 GCS_ENDPOINT = "https://storage.googleapis.com"  # NOTE [ Cloud Storage through its S3 API ]
-_CLIENTS: dict[tuple, Any] = {}  # (pid, endpoint, retries, timeout) -> this process's client
+_CLIENTS: dict[tuple, Any] = {}  # (pid, gs://, endpoint, retries, timeout) -> a client
 _LOADER: list[Any] = []  # botocore's parsed models, kept across a fork (NOTE above)
 _MAKING = threading.Lock()  # clients are made one at a time
 _CHUNK = 8 << 20
