@@ -38,8 +38,9 @@ class CacheStats:
 def process_key(pid: int | None = None) -> str:
     """``HOST-PID-START`` of process ``pid`` (default: this one), START its start time in clock
     ticks since boot (``/proc/PID/stat``; 0 where that cannot be read, as off Linux): the name
-    of its counters, on Linux never the same for two processes of one boot (a container
-    restarted in place reuses host names and pids)."""
+    of its counters. A container restarted in place reuses host names and pids; on Linux two
+    processes of one boot share a key only with the same pid (in two pid namespaces) started
+    in the same clock tick."""
     pid = os.getpid() if pid is None else pid
     try:
         with open(f"/proc/{pid}/stat", "rb") as file:
