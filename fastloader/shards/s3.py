@@ -44,9 +44,10 @@ NOTE [ Cloud Storage through its S3 API ]
 S3 API to S3 clients (Google's "simple migration": its endpoint and an HMAC key in place of
 AWS's keys). So a ``gs://`` store is an ``S3Store`` whose endpoint defaults to
 ``GCS_ENDPOINT`` (``endpoint_url=`` overrides it; ``AWS_ENDPOINT_URL``, set for S3, does not),
-whose key is ``GS_ACCESS_KEY_ID`` and ``GS_SECRET_ACCESS_KEY`` (the names of gsutil's boto
-config) and nothing of AWS's credential chain: on a host with AWS credentials (a role, a
-profile) they are never sent to Google, and S3 and Cloud Storage sources mix in one process.
+whose key is ``GS_ACCESS_KEY_ID`` and ``GS_SECRET_ACCESS_KEY`` (named after gsutil's boto
+config keys) and nothing of AWS's credential chain: on a host with AWS credentials (a role, a
+profile) they are never sent to Google, and an S3 and a Cloud Storage store each have a client
+of their own in one process.
 Its errors name the ``gs://`` URL and those variables, and its client (a client of its own, not
 an ``s3://`` store's at the same endpoint) sends
 botocore's own checksums only where an operation requires them (``when_required``): the
