@@ -48,8 +48,7 @@ whose key is ``GS_ACCESS_KEY_ID`` and ``GS_SECRET_ACCESS_KEY`` (named after gsut
 config keys) and nothing of AWS's credential chain: on a host with AWS credentials (a role, a
 profile) they are never sent to Google, and an S3 and a Cloud Storage store each have a client
 of their own in one process.
-Its errors name the ``gs://`` URL and those variables, and its client (a client of its own, not
-an ``s3://`` store's at the same endpoint) sends
+Its errors name the ``gs://`` URL and those variables, and its client sends
 botocore's own checksums only where an operation requires them (``when_required``): the
 CRC32 trailers botocore 1.36 added to every upload are an S3 extension that other servers of
 the S3 API may refuse; the shards' own XXH3 digests are what fastloader checks. Tested against
