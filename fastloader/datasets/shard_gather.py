@@ -33,9 +33,9 @@ __all__ = ["ColumnMemory", "ScatteredRows", "ShardMaps"]
 # process, whose intra-op threads ``index_select`` spreads over, it took ~5x the time of
 # NumPy's ``take`` on this busy 2-core box.) Only the rows of the batch are touched (the view
 # also spans unrelated memory between the maps: never read, and nothing but this gather sees
-# the view). Every address is of a row checked in
-# range (the row is below the shard's count, which is the manifest's and its map's), in a map
-# that stays mapped while the batch's ``ScatteredRows`` keeps the shards' column tables.
+# the view). Every address is of a row checked in range (the row is below the shard's count,
+# which is the manifest's and its map's), in a map that stays mapped while the batch's
+# ``ScatteredRows`` keeps the shards' column tables.
 # A shard is ready once every block of it has been checked in this process (at its open: the
 # same hashing the batches would do block by block, before any row is read) and when each
 # column the batch takes by rows is one native-order segment (every LMDB shard under 256 MB,

@@ -221,9 +221,7 @@ class LMDBPack(PackFile):
             )
         if "columns" in metadata:  # every part checked when the dataset is made
             self._handle_cache(handle)["columns"] = self._column_table(handle)
-            targets = np.broadcast_to(np.int64(0), (metadata["count"],))
-        if "columns" in metadata:
-            return metadata, targets
+            return metadata, np.broadcast_to(np.int64(0), (metadata["count"],))
         return metadata, check_targets(targets, metadata, self.path)
 
     def _handle_cache(self, handle: _Env) -> dict:
